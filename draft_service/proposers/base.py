@@ -1,0 +1,44 @@
+"""The proposer interface every drafting strategy implements (cf. transformers' CandidateGenerator)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    # float16 [k, V]: the distribution each token was drawn from (sampling with a model draft), else None.
+    probs_fp16: torch.Tensor | None
+    cached_len: int  # committed-or-drafted tokens the proposer holds for the session afterwards
+
+
+class Proposer(abc.ABC):
+    strategy: str = "abstract"
+    vocab_size: int
+
+    @abc.abstractmethod
+    def get_candidates(
+        self,
+        session_id: str,
+        prefix_len: int,
+        delta: list[int],
+        max_len: int,
+        params: SamplingParams,
+        seed: int,
+        step: int,
+        min_confidence: float = 0.0,
+    ) -> Proposal:
+        """Sync the session to prefix_len + delta (cropping what was rejected) and draft up to max_len tokens."""
+
+    @abc.abstractmethod
+    def release(self, session_id: str) -> bool:
+        """Free the session's state."""
+
+    def num_sessions(self) -> int:
+        return 0

@@ -1,0 +1,117 @@
+"""gRPC front of a drafter: `specdec serve draft`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from draft_service.proposers.base import Proposer
+from specdec import telemetry, wire
+from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("specdec.draft")
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, proposer: Proposer, info: common_pb2.ModelInfo, max_draft_len: int = 16):
+        self.proposer = proposer
+        self.info = info
+        self.max_draft_len = max_draft_len
+
+    @handle_errors
+    def Propose(self, request, context):
+        sid = require_session_id(request.session_id)
+        params = wire.sampling_from_proto(request.sampling)
+        delta = wire.check_token_ids(request.delta.tokens, self.proposer.vocab_size, "delta")
+        if not 1 <= request.max_draft_len <= self.max_draft_len:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_draft_len must be in 1..{self.max_draft_len}")
+        with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
+            import time
+
+            t0 = time.perf_counter()
+            proposal = self.proposer.get_candidates(
+                sid, request.delta.prefix_len, delta, request.max_draft_len, params,
+                request.sampling.seed, request.step, request.min_confidence,
+            )
+            ms = (time.perf_counter() - t0) * 1e3
+            s.set_attribute("draft_tokens", len(proposal.tokens))
+        telemetry.record_draft(ms)
+        probs = [] if proposal.probs_fp16 is None else [wire.encode_distribution(r) for r in proposal.probs_fp16]
+        return draft_pb2.ProposeResponse(
+            tokens=proposal.tokens, probs=probs, cached_len=proposal.cached_len, draft_ms=ms
+        )
+
+    @handle_errors
+    def Release(self, request, context):
+        sid = require_session_id(request.session_id)
+        return common_pb2.ReleaseResponse(released=self.proposer.release(sid))
+
+    @handle_errors
+    def GetInfo(self, request, context):
+        return self.info
+
+
+def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
+                   max_sessions: int = 64, max_cache_mb: int = 2048) -> tuple[Proposer, common_pb2.ModelInfo]:
+    from specdec.kv_cache import SessionCacheStore
+    from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
+
+    if strategy == "ngram":
+        from draft_service.proposers.ngram import NgramProposer
+
+        # A model-free drafter still answers to the target's tokenizer, for the start-up compatibility check.
+        tok = load_tokenizer(vocab_from) if vocab_from else None
+        vocab = len(tok) if tok is not None else 2**31
+        proposer = NgramProposer(vocab_size=vocab)
+        info = common_pb2.ModelInfo(
+            model_name=f"ngram(prompt-lookup)", vocab_size=0 if tok is None else vocab,
+            tokenizer_fingerprint="" if tok is None else tokenizer_fingerprint(tok), strategy="ngram",
+        )
+        return proposer, info
+    from draft_service.proposers.model import ModelProposer
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)
+    info = common_pb2.ModelInfo(
+        model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
+        max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids, device=str(loaded.device),
+        dtype=str(loaded.dtype).replace("torch.", ""), strategy="model",
+    )
+    return ModelProposer(loaded, store), info
+
+
+def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8) -> ServiceServer:
+    server = ServiceServer(address, max_workers=max_workers)
+    server.add(
+        draft_pb2_grpc.add_DraftServiceServicer_to_server,
+        DraftServicer(proposer, info),
+        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
+    )
+    return server
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", choices=["model", "ngram"], default="ngram")
+    p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy=model)")
+    p.add_argument("--vocab-from", default=None, help="ngram: the target's model spec, for the tokenizer check")
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-cache-mb", type=int, default=2048)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    telemetry.setup("specdec-draft")
+    torch.set_num_threads(args.threads)
+    proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
+                                    args.max_sessions, args.max_cache_mb)
+    server = build_server(proposer, info, args.listen).start()
+    telemetry.ready(server.address)
+    telemetry.wait_for_signal(server)

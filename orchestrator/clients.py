@@ -1,0 +1,135 @@
+"""Orchestrator-side clients of the draft and target services.
+
+Each call sends only the committed tokens the service does not hold yet (a TokenDelta from the
+position the orchestrator tracks); on a cache miss (evicted, restarted or new replica) it resends
+the whole context once, which rebuilds the service's cache transparently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specdec import wire
+from specdec.grpc_util import make_channel
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+def _delta(committed: list[int], pos: int) -> common_pb2.TokenDelta:
+    pos = min(pos, len(committed))
+    return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:])
+
+
+def _is_cache_miss(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "cache-miss" in (e.details() or "")
+
+
+def _call_with_resync(fn, committed: list[int], pos: int):
+    try:
+        return fn(_delta(committed, pos)), False
+    except grpc.RpcError as e:
+        if not _is_cache_miss(e):
+            raise
+        return fn(_delta(committed, 0)), True
+
+
+@dataclass
+class DraftReply:
+    tokens: list[int]
+    probs: list  # repeated Distribution, passed through to the target untouched
+    cached_len: int
+    draft_ms: float
+    resynced: bool
+
+
+@dataclass
+class VerifyReply:
+    num_accepted: int
+    next_token: int
+    cached_len: int
+    verify_ms: float
+    resynced: bool
+
+
+@dataclass
+class DecodeReply:
+    tokens: list[int]
+    cached_len: int
+    decode_ms: float
+    resynced: bool
+
+
+class DraftClient:
+    def __init__(self, address: str, channel: grpc.Channel | None = None):
+        self.address = address
+        self.channel = channel or make_channel(address)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+    def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
+        return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    def propose(self, session_id: str, committed: list[int], pos: int, max_len: int, params: SamplingParams,
+                seed: int, step: int, timeout: float, min_confidence: float = 0.0) -> DraftReply:
+        sampling = wire.sampling_to_proto(params, seed)
+
+        def call(delta):
+            return self.stub.Propose(
+                draft_pb2.ProposeRequest(session_id=session_id, delta=delta, max_draft_len=max_len,
+                                         sampling=sampling, step=step, min_confidence=min_confidence),
+                timeout=timeout,
+            )
+
+        r, resynced = _call_with_resync(call, committed, pos)
+        return DraftReply(list(r.tokens), list(r.probs), r.cached_len, r.draft_ms, resynced)
+
+    def release(self, session_id: str, timeout: float = 1.0) -> bool:
+        return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class TargetClient:
+    def __init__(self, address: str, channel: grpc.Channel | None = None):
+        self.address = address
+        self.channel = channel or make_channel(address)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
+        return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    def verify(self, session_id: str, committed: list[int], pos: int, draft_tokens: list[int], draft_probs: list,
+               params: SamplingParams, seed: int, step: int, timeout: float) -> VerifyReply:
+        sampling = wire.sampling_to_proto(params, seed)
+
+        def call(delta):
+            return self.stub.Verify(
+                target_pb2.VerifyRequest(session_id=session_id, delta=delta, draft_tokens=draft_tokens,
+                                         draft_probs=draft_probs, sampling=sampling, step=step),
+                timeout=timeout,
+            )
+
+        r, resynced = _call_with_resync(call, committed, pos)
+        return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced)
+
+    def decode(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
+               seed: int, step: int, stop_token_ids: list[int], timeout: float) -> DecodeReply:
+        sampling = wire.sampling_to_proto(params, seed)
+
+        def call(delta):
+            return self.stub.Decode(
+                target_pb2.DecodeRequest(session_id=session_id, delta=delta, max_tokens=max_tokens,
+                                         sampling=sampling, step=step, stop_token_ids=stop_token_ids),
+                timeout=timeout,
+            )
+
+        r, resynced = _call_with_resync(call, committed, pos)
+        return DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, resynced)
+
+    def release(self, session_id: str, timeout: float = 1.0) -> bool:
+        return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,107 @@
+"""Python client of the orchestrator's public API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from specdec.grpc_util import make_channel
+from specdec.v1 import orchestrator_pb2 as opb
+from specdec.v1 import orchestrator_pb2_grpc
+
+FINISH_REASONS = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in opb.FinishReason.items()}
+
+
+@dataclass
+class GenerationResult:
+    session_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {
+            "session_id": self.session_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "acceptance_rate": s.get("acceptance_rate", 0.0),
+            "mean_accepted_length": s.get("mean_accepted_length", 0.0),
+            "verify_steps": s.get("verify_steps", 0),
+            "fallback_steps": s.get("fallback_steps", 0),
+            "tokens_per_second": s.get("tokens_per_second", 0.0),
+            "client_tokens_per_second": len(self.token_ids) / self.wall_s if self.wall_s else 0.0,
+            "stats": s,
+        }
+
+
+def _stats_dict(stats: opb.GenerationStats) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    d = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
+
+
+class SpecdecClient:
+    def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0, token: str | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.channel = make_channel(address)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: list[str] = (),
+               stop_token_ids: list[int] = (), speculation: bool | None = None, max_draft_len: int = 0,
+               ignore_eos: bool = False, chat: bool = False, resume_session_id: str = "", resume_from: int = 0,
+               timeout_s: float | None = None) -> Iterator[opb.GenerateResponse]:
+        req = opb.GenerateRequest(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=list(stop), stop_token_ids=list(stop_token_ids), max_draft_len=max_draft_len,
+            ignore_eos=ignore_eos, apply_chat_template=chat, resume_session_id=resume_session_id,
+            resume_from=resume_from,
+            speculation={None: opb.SPECULATION_DEFAULT, True: opb.SPECULATION_ON, False: opb.SPECULATION_OFF}[speculation],
+        )
+        if isinstance(prompt, str):
+            req.text = prompt
+        elif prompt is not None:
+            req.token_ids.ids.extend(prompt)
+        return self.stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+
+    def generate(self, prompt: str | list[int] | None = None, **kwargs) -> GenerationResult:
+        t0 = time.perf_counter()
+        text, tokens, sid, finish, stats = [], [], "", "unspecified", {}
+        for msg in self.stream(prompt, **kwargs):
+            sid = msg.session_id or sid
+            text.append(msg.text)
+            tokens.extend(msg.token_ids)
+            if msg.HasField("stats"):
+                stats = _stats_dict(msg.stats)
+                finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
+        return GenerationResult(sid, "".join(text), tokens, finish, stats, time.perf_counter() - t0)
+
+    def get_session(self, session_id: str, timeout_s: float = 10.0) -> opb.SessionInfo:
+        return self.stub.GetSession(opb.GetSessionRequest(session_id=session_id), timeout=timeout_s,
+                                    metadata=self.metadata)
+
+    def cancel(self, session_id: str, timeout_s: float = 10.0) -> bool:
+        return self.stub.CancelSession(opb.CancelSessionRequest(session_id=session_id), timeout=timeout_s,
+                                       metadata=self.metadata).cancelled
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,163 @@
+"""Shared gRPC plumbing: servers with health checking and reflection, channels with sane options."""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("specdec.grpc")
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a request past this gets RESOURCE_EXHAUSTED from grpc itself
+
+# Keepalive lets a client notice a dead peer (e.g. a SIGSTOPped draft) without waiting for TCP.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 1),
+    # Short reconnect backoff so a restarted pod is used again quickly.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def retry_service_config(service_names: Iterable[str]) -> str:
+    """Transparent retries of idempotent-safe failures (UNAVAILABLE only) for the given services."""
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{"service": s} for s in service_names],
+                    "retryPolicy": {
+                        "maxAttempts": 3,
+                        "initialBackoff": "0.05s",
+                        "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+        }
+    )
+
+
+def make_channel(address: str, service_names: Iterable[str] = (), retries: bool = True) -> grpc.Channel:
+    options = list(CHANNEL_OPTIONS)
+    if retries and service_names:
+        options.append(("grpc.service_config", retry_service_config(service_names)))
+    return grpc.insecure_channel(address, options=options)
+
+
+class ServiceServer:
+    """A grpc.Server with health checking and reflection, serving one or more services."""
+
+    def __init__(self, address: str, max_workers: int = 16):
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=max_workers * 4,
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        host = address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+
+    def add(self, register: Callable[[object, grpc.Server], None], servicer: object, full_name: str) -> None:
+        register(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def start(self) -> "ServiceServer":
+        reflection.enable_server_reflection(self._service_names, self.server)
+        self.server.start()
+        for name in self._service_names:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", extra={"address": self.address, "services": self._service_names})
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def check_health(address: str, timeout: float = 1.0, service: str = "") -> bool:
+    channel = grpc.insecure_channel(address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+class RpcAbort(Exception):
+    """Raised inside service code to end an RPC with a given status and a readable message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def handle_errors(method):
+    """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
+    import functools
+
+    from specdec.kv_cache import CacheMiss, ContextTooLong
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except RpcAbort as e:
+            context.abort(e.code, e.message)
+        except CacheMiss as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ContextTooLong as e:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except MemoryError:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
+        except Exception as e:  # noqa: BLE001 - last line of defence for a server
+            if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+                raise
+            log.exception("unhandled error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def require_session_id(session_id: str) -> str:
+    if not session_id:
+        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+    if len(session_id) > 128:
+        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is longer than 128 characters")
+    return session_id

@@ -1,0 +1,162 @@
+"""Per-session KV caches held by a model service, bounded by sessions and bytes (LRU eviction).
+
+A session's cache holds KV entries for `tokens`. Requests say how many of those tokens are still valid
+(`prefix_len`); the rest are cropped away (rejected drafts), and new tokens are appended, so a prefix
+the service already holds is never recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from specdec.models import LoadedModel
+
+log = logging.getLogger("specdec.kv")
+
+
+class CacheMiss(Exception):
+    """The service holds fewer tokens of the session than the request assumes; resend from prefix 0."""
+
+    def __init__(self, session_id: str, have: int, need: int):
+        super().__init__(f"cache-miss: session {session_id} holds {have} tokens, request assumes {need}")
+        self.have = have
+        self.need = need
+
+
+class ContextTooLong(Exception):
+    pass
+
+
+@dataclass
+class SessionKV:
+    session_id: str
+    tokens: list[int] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def cache_nbytes(cache: DynamicCache | None) -> int:
+    if cache is None:
+        return 0
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+class SessionCacheStore:
+    """LRU map session_id -> SessionKV with a bound on sessions and on total KV bytes."""
+
+    def __init__(self, max_sessions: int = 64, max_bytes: int = 2 * 1024**3):
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self._sessions: OrderedDict[str, SessionKV] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def get(self, session_id: str, create: bool = True) -> SessionKV | None:
+        with self._lock:
+            sess = self._sessions.get(session_id)
+            if sess is not None:
+                self._sessions.move_to_end(session_id)
+            elif create:
+                sess = SessionKV(session_id)
+                self._sessions[session_id] = sess
+                self._evict_locked(keep=session_id)
+            return sess
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def update_size(self, sess: SessionKV) -> None:
+        with self._lock:
+            sess.nbytes = cache_nbytes(sess.cache)
+            self._evict_locked(keep=sess.session_id)
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._sessions.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def _evict_locked(self, keep: str) -> None:
+        total = sum(s.nbytes for s in self._sessions.values())
+        while self._sessions and (len(self._sessions) > self.max_sessions or total > self.max_bytes):
+            victim_id = next(iter(self._sessions))
+            if victim_id == keep:
+                if len(self._sessions) == 1:
+                    break
+                self._sessions.move_to_end(keep)
+                victim_id = next(iter(self._sessions))
+            victim = self._sessions.pop(victim_id)
+            total -= victim.nbytes
+            self.evictions += 1
+            log.info("evicted session cache", extra={"session_id": victim_id, "bytes": victim.nbytes})
+
+
+class CachedLM:
+    """A causal LM plus per-session caches: extend a session with new tokens and get their logits."""
+
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.store = store
+
+    def sync(self, sess: SessionKV, prefix_len: int, delta: list[int]) -> list[int]:
+        """Crop `sess` to prefix_len and return the tokens to feed next (delta, never empty)."""
+        if prefix_len > len(sess.tokens):
+            raise CacheMiss(sess.session_id, len(sess.tokens), prefix_len)
+        if prefix_len < len(sess.tokens):
+            self.crop(sess, prefix_len)
+        if not delta:
+            if not sess.tokens:
+                raise ValueError("no tokens: the context is empty")
+            # Logits of the last position are not stored, so re-feed the last token.
+            last = sess.tokens[-1]
+            self.crop(sess, len(sess.tokens) - 1)
+            delta = [last]
+        return list(delta)
+
+    def crop(self, sess: SessionKV, length: int) -> None:
+        if sess.cache is not None and length < len(sess.tokens):
+            if length == 0:
+                sess.cache = None
+            else:
+                sess.cache.crop(length - len(sess.tokens))  # negative: how many to drop
+        del sess.tokens[length:]
+
+    @torch.inference_mode()
+    def extend(self, sess: SessionKV, new_tokens: list[int]) -> torch.Tensor:
+        """Append new_tokens to the session's cache; return float32 logits [len(new_tokens), V]."""
+        total = len(sess.tokens) + len(new_tokens)
+        if total > self.loaded.max_context:
+            raise ContextTooLong(
+                f"context of {total} tokens exceeds the model's limit of {self.loaded.max_context}"
+            )
+        if sess.cache is None:
+            sess.cache = DynamicCache()
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
+        out = self.model(input_ids=ids, cache=sess.cache, use_cache=True)
+        sess.cache = out.cache
+        sess.tokens.extend(new_tokens)
+        return out.logits[0, :, : self.loaded.vocab_size].float()
+
+    def release(self, session_id: str) -> bool:
+        return self.store.release(session_id)

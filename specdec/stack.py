@@ -1,0 +1,177 @@
+"""Launch specdec services as real processes on loopback: `specdec up`, `specdec run`, tests and chaos."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdec.redis_server import RedisServer
+
+
+class ServiceProcess:
+    """One `specdec serve ...` process. Ready when it prints 'SPECDEC_READY <address>'."""
+
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path, env: dict | None = None):
+        self.name = name
+        self.args = args
+        self.log_path = log_dir / f"{name}.log"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> "ServiceProcess":
+        self._ready.clear()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *self.args],
+                                     stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
+        threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
+        return self
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        for line in iter(proc.stdout.readline, b""):
+            text = line.decode(errors="replace").strip()
+            if text.startswith("SPECDEC_READY "):
+                self.address = text.split(" ", 1)[1]
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._ready.wait(0.1):
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.tail()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; log:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc:
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class StackConfig:
+    target_model: str = "smollm2"
+    draft_strategy: str = "auto"  # auto: the distilled draft model if cached, else n-gram prompt lookup
+    draft_model: str = "smollm2-draft"
+    draft_replicas: int = 1
+    draft_len: int = 4
+    store: str = "redis"  # redis (a private redis-server) or memory
+    threads: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    orchestrator_args: list[str] = field(default_factory=list)
+    target_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    orchestrator_port: int = 0
+
+
+def resolve_draft_strategy(cfg: StackConfig) -> str:
+    if cfg.draft_strategy != "auto":
+        return cfg.draft_strategy
+    if cfg.target_model in ("smollm2", "smollm2-135m-instruct") and cfg.draft_model == "smollm2-draft":
+        from specdec.models import cache_dir
+
+        return "model" if (cache_dir() / "models" / "smollm2-draft" / "config.json").exists() else "ngram"
+    return "model"
+
+
+class LocalStack:
+    """Redis + target + draft replica(s) + orchestrator on loopback; stops everything it started."""
+
+    def __init__(self, cfg: StackConfig, log_dir: str | None = None):
+        self.cfg = cfg
+        self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="specdec-stack-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis: RedisServer | None = None
+        self.target: ServiceProcess | None = None
+        self.drafts: list[ServiceProcess] = []
+        self.orchestrator: ServiceProcess | None = None
+        self.draft_strategy = resolve_draft_strategy(cfg)
+
+    @property
+    def address(self) -> str:
+        return self.orchestrator.address
+
+    def _common(self) -> list[str]:
+        return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
+
+    def start(self, timeout: float = 600.0) -> "LocalStack":
+        cfg = self.cfg
+        try:
+            if cfg.store == "redis":
+                self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
+            if self.draft_strategy == "model":
+                from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
+            self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
+                                                    f"{cfg.host}:0", *self._common(), *cfg.target_args],
+                                         self.log_dir).start()
+            for i in range(cfg.draft_replicas):
+                dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common()]
+                dargs += ["--model", cfg.draft_model] if self.draft_strategy == "model" else ["--vocab-from", cfg.target_model]
+                self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
+            target_addr = self.target.wait_ready(timeout)
+            draft_addrs = [d.wait_ready(timeout) for d in self.drafts]
+            self.start_orchestrator(target_addr, draft_addrs, timeout)
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_orchestrator(self, target_addr: str | None = None, draft_addrs: list[str] | None = None,
+                           timeout: float = 120.0) -> str:
+        target_addr = target_addr or self.target.address
+        draft_addrs = draft_addrs if draft_addrs is not None else [d.address for d in self.drafts]
+        store = self.redis.url if self.redis else "memory"
+        args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
+                "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
+                "--draft-len", str(self.cfg.draft_len), *self.cfg.orchestrator_args]
+        self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir).start()
+        addr = self.orchestrator.wait_ready(timeout)
+        # Restarts reuse the port so clients can reconnect to the same address.
+        self.cfg.orchestrator_port = int(addr.rsplit(":", 1)[1])
+        return addr
+
+    def stop(self) -> None:
+        for p in [self.orchestrator, *self.drafts, self.target]:
+            if p is not None:
+                p.stop()
+        if self.redis:
+            self.redis.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,124 @@
+"""gRPC front of the target model: `specdec serve target`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+
+from specdec import telemetry, wire
+from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.kv_cache import SessionCacheStore
+from specdec.models import DEFAULT_TARGET, load_model
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine
+
+log = logging.getLogger("specdec.target")
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, engine: TargetEngine, max_decode_tokens: int = 64):
+        self.engine = engine
+        self.max_decode_tokens = max_decode_tokens
+        loaded = engine.loaded
+        self.info = common_pb2.ModelInfo(
+            model_name=loaded.name,
+            vocab_size=loaded.vocab_size,
+            tokenizer_fingerprint=loaded.fingerprint,
+            max_context=loaded.max_context,
+            eos_token_ids=loaded.eos_token_ids,
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).replace("torch.", ""),
+            strategy="target",
+        )
+
+    def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
+        return delta.prefix_len, wire.check_token_ids(delta.tokens, self.engine.vocab_size, "delta")
+
+    @handle_errors
+    def Prefill(self, request, context):
+        sid = require_session_id(request.session_id)
+        prefix_len, delta = self._delta(request.delta)
+        with telemetry.span("target.prefill", session_id=sid, tokens=len(delta)):
+            return target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
+
+    @handle_errors
+    def Verify(self, request, context):
+        sid = require_session_id(request.session_id)
+        prefix_len, delta = self._delta(request.delta)
+        params = wire.sampling_from_proto(request.sampling)
+        draft = wire.check_token_ids(request.draft_tokens, self.engine.vocab_size, "draft_tokens")
+        if len(draft) > self.engine.max_draft_len:
+            raise RpcAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(draft)} draft tokens exceed this target's limit of {self.engine.max_draft_len}",
+            )
+        probs = None
+        if not params.is_greedy:
+            probs = wire.decode_distributions(request.draft_probs, self.engine.vocab_size, len(draft))
+        with telemetry.span("target.verify", session_id=sid, draft_tokens=len(draft)):
+            out = self.engine.verify(sid, prefix_len, delta, draft, probs, params, request.sampling.seed, request.step)
+        telemetry.record_verify(len(draft), out.num_accepted, out.verify_ms)
+        return target_pb2.VerifyResponse(
+            num_accepted=out.num_accepted, next_token=out.next_token, cached_len=out.cached_len, verify_ms=out.verify_ms
+        )
+
+    @handle_errors
+    def Decode(self, request, context):
+        sid = require_session_id(request.session_id)
+        prefix_len, delta = self._delta(request.delta)
+        params = wire.sampling_from_proto(request.sampling)
+        if not 1 <= request.max_tokens <= self.max_decode_tokens:
+            raise RpcAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{self.max_decode_tokens}"
+            )
+        with telemetry.span("target.decode", session_id=sid, max_tokens=request.max_tokens):
+            tokens, cached_len, ms = self.engine.decode(
+                sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
+                set(request.stop_token_ids),
+            )
+        return target_pb2.DecodeResponse(tokens=tokens, cached_len=cached_len, decode_ms=ms)
+
+    @handle_errors
+    def Release(self, request, context):
+        sid = require_session_id(request.session_id)
+        return common_pb2.ReleaseResponse(released=self.engine.release(sid))
+
+    @handle_errors
+    def GetInfo(self, request, context):
+        return self.info
+
+
+def build_server(engine: TargetEngine, address: str, max_workers: int = 8) -> ServiceServer:
+    server = ServiceServer(address, max_workers=max_workers)
+    server.add(
+        target_pb2_grpc.add_TargetServiceServicer_to_server,
+        TargetServicer(engine),
+        target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
+    )
+    return server
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET, help="model spec: smollm2, tiny:..., a local path, a .gguf file or an HF id")
+    p.add_argument("--listen", default="127.0.0.1:50052")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
+    p.add_argument("--max-cache-mb", type=int, default=4096, help="KV cache bytes kept (LRU)")
+    p.add_argument("--max-draft-len", type=int, default=16)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    telemetry.setup("specdec-target")
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
+    engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len)
+    server = build_server(engine, args.listen).start()
+    telemetry.ready(server.address)
+    telemetry.wait_for_signal(server)

