@@ -39,14 +39,16 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.log_path = os.path.join(self.data_dir, "redis.log")
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                "--protected-mode", "yes", "--maxmemory", "512mb", "--maxmemory-policy", "volatile-lru"]
+                "--protected-mode", "yes", "--logfile", self.log_path, "--maxmemory", "512mb", "--maxmemory-policy", "volatile-lru"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+                raise RuntimeError(f"redis-server exited: {self._log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -56,6 +58,13 @@ class RedisServer:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"redis-server did not start on port {self.port}")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-10:])
+        except OSError:
+            return "(no log)"
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -93,9 +93,9 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     Greedy gives a one-hot at ``torch.argmax`` (first maximum wins). Otherwise: divide by the
     temperature, keep the top-k logits (ties with the k-th value are all kept, so the result does
-    not depend on how ``topk`` orders equal values), then keep the smallest prefix of tokens sorted
-    by probability (stable sort: lower token id first on ties) whose cumulative probability reaches
-    ``top_p``, always at least one token; finally softmax. Only tensor ops, batched over leading
+    not depend on how ``topk`` orders equal values), then keep the smallest prefix of tokens ranked
+    by logit (stable sort: lower token id first on ties, like argmax) whose cumulative probability
+    reaches ``top_p``, always at least one token; finally softmax. Only tensor ops, batched over leading
     dims, no randomness: draft and target get the same answer from the same logits.
     """
     params.validate()
@@ -113,12 +113,16 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
 
+    raw = x
     # Subtracting the max before dividing keeps tiny temperatures from overflowing to inf/NaN.
     x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
 
     if params.top_p < 1.0:
         probs = torch.softmax(x, dim=-1)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        # Rank by the raw logits, not the probabilities: rounding in the scaling and in exp() can
+        # make distinct logits equal, and the argmax token (first max) must always rank first.
+        order = torch.sort(raw, dim=-1, descending=True, stable=True).indices
+        sorted_probs = probs.gather(-1, order)
         # Mass strictly before each sorted token; a token is kept while that mass is < top_p,
         # which is exactly "the smallest prefix whose cumulative prob >= top_p". The first token
         # always has 0 mass before it, so at least one token survives.

@@ -24,7 +24,7 @@ class VerifyOutcome:
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16):
         self.loaded = loaded
-        self.store = store or SessionCacheStore()
+        self.store = store if store is not None else SessionCacheStore()
         self.lm = CachedLM(loaded, self.store)
         self.max_draft_len = max_draft_len
 

