@@ -56,6 +56,30 @@ class Chunk:
     finish_reason: int = 0
 
 
+class AcceptanceWindow:
+    """Acceptance over the orchestrator's most recent verify steps (all sessions), for the outline and metrics."""
+
+    def __init__(self, max_steps: int = 1000):
+        from collections import deque
+
+        self.max_steps = max_steps
+        self._steps = deque(maxlen=max_steps)
+        self._lock = threading.Lock()
+
+    def add(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self._steps.append((proposed, accepted))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            steps = list(self._steps)
+        proposed = sum(p for p, _ in steps)
+        accepted = sum(a for _, a in steps)
+        return {"steps": len(steps), "window_steps": self.max_steps, "proposed": proposed, "accepted": accepted,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
+
+
 class DraftHealth:
     """A minimal breaker shared by all sessions: after a failure, skip the draft for a cool-down."""
 
@@ -85,6 +109,7 @@ class Generation:
     cfg: LoopConfig
     draft_health: DraftHealth
     cancel: threading.Event = field(default_factory=threading.Event)
+    window: AcceptanceWindow | None = None
     target_step_ms: float = 0.0  # EMA of the target's per-step time, sets the draft deadline
 
     def __post_init__(self):
@@ -184,6 +209,8 @@ class Generation:
         stats["draft_tokens_proposed"] += len(reply.tokens)
         stats["draft_tokens_accepted"] += v.num_accepted
         stats["verify_ms"] += v.verify_ms
+        if self.window is not None:
+            self.window.add(len(reply.tokens), v.num_accepted)
         self._observe_target(v.verify_ms)
         return reply.tokens[: v.num_accepted] + [v.next_token]
 

@@ -11,7 +11,7 @@ import threading
 import grpc
 
 from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.generation import Chunk, DraftHealth, Generation, GenerationError, LoopConfig, stats_message
+from orchestrator.generation import AcceptanceWindow, Chunk, DraftHealth, Generation, GenerationError, LoopConfig, stats_message
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors
@@ -57,6 +57,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
         self.draft_health = DraftHealth(cfg.draft_retry_after_s)
+        self.window = AcceptanceWindow()
         self._active: dict[str, threading.Event] = {}
         self._active_lock = threading.Lock()
 
@@ -150,7 +151,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self._active[sid] = cancel
         context.add_callback(cancel.set)  # client cancelled or disconnected
         gen = Generation(rec, self.target, self.draft, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
-                         self.draft_health, cancel)
+                         self.draft_health, cancel, self.window)
         try:
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # Replay what the client has not seen yet (everything after resume_from).
@@ -206,6 +207,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self._release_caches(rec.session_id)
             return opb.CancelSessionResponse(cancelled=True)
         return opb.CancelSessionResponse(cancelled=False)
+
+    @handle_errors
+    def GetOutline(self, request, context):
+        from google.protobuf import struct_pb2
+
+        from orchestrator.outline import build_outline
+
+        msg = opb.Outline(outline=struct_pb2.Struct())
+        msg.outline.update(build_outline(self))
+        return msg
 
     def _load(self, session_id: str) -> SessionRecord:
         if not session_id:

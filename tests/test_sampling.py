@@ -343,24 +343,6 @@ def test_verify_dispatch():
         )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_verify_with_tensors_on_gpu():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 50, generator=g)
-    q = torch.softmax(torch.randn(3, 50, generator=g), -1)
-    tokens = torch.tensor([3, 7, 9])
-    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
-    for s in range(10):
-        cpu = verify(logits, tokens, q, params, make_generator(s))
-        gpu = verify(logits.cuda(), tokens.cuda(), q.cuda(), params, make_generator(s))
-        assert cpu == gpu
-    assert sample(warp_probs(logits.cuda(), params), make_generator(0)).device.type == "cuda"
-
-
-# --------------------------------------------------------------------------------------------
-# Performance model
-# --------------------------------------------------------------------------------------------
-
 
 def test_expected_accepted_length_and_speedup():
     assert expected_accepted_length(0.5, 3) == pytest.approx((1 - 0.5**4) / 0.5)

@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -28,6 +29,16 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+
+class GetOutlineRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Outline(_message.Message):
+    __slots__ = ("outline",)
+    OUTLINE_FIELD_NUMBER: _ClassVar[int]
+    outline: _struct_pb2.Struct
+    def __init__(self, outline: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "speculation", "max_draft_len", "ignore_eos", "apply_chat_template", "resume_session_id", "resume_from")
@@ -86,7 +97,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "fallback_steps", "fallback_tokens", "wall_ms", "tokens_per_second", "draft_failures", "decode_steps")
+    __slots__ = ("prompt_tokens", "generated_tokens", "verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "fallback_steps", "fallback_tokens", "wall_ms", "tokens_per_second", "draft_failures", "decode_steps", "draft_failures_by_kind", "degraded_ms", "replica_failovers", "target_resyncs")
+    class DraftFailuresByKindEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +120,10 @@ class GenerationStats(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FAILURES_BY_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RESYNCS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     verify_steps: int
@@ -117,7 +139,11 @@ class GenerationStats(_message.Message):
     tokens_per_second: float
     draft_failures: int
     decode_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_failures: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    draft_failures_by_kind: _containers.ScalarMap[str, int]
+    degraded_ms: float
+    replica_failovers: int
+    target_resyncs: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_failures: _Optional[int] = ..., decode_steps: _Optional[int] = ..., draft_failures_by_kind: _Optional[_Mapping[str, int]] = ..., degraded_ms: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., target_resyncs: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

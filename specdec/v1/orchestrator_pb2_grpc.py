@@ -50,6 +50,11 @@ class OrchestratorStub:
                 request_serializer=specdec_dot_v1_dot_orchestrator__pb2.CancelSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.CancelSessionResponse.FromString,
                 _registered_method=True)
+        self.GetOutline = channel.unary_unary(
+                '/specdec.v1.Orchestrator/GetOutline',
+                request_serializer=specdec_dot_v1_dot_orchestrator__pb2.GetOutlineRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.Outline.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -74,6 +79,13 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetOutline(self, request, context):
+        """The running system's design outline: drafter, verification scheme, measured acceptance, failure mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.CancelSession,
                     request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.CancelSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_orchestrator__pb2.CancelSessionResponse.SerializeToString,
+            ),
+            'GetOutline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOutline,
+                    request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.GetOutlineRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_orchestrator__pb2.Outline.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Orchestrator:
             '/specdec.v1.Orchestrator/CancelSession',
             specdec_dot_v1_dot_orchestrator__pb2.CancelSessionRequest.SerializeToString,
             specdec_dot_v1_dot_orchestrator__pb2.CancelSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOutline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Orchestrator/GetOutline',
+            specdec_dot_v1_dot_orchestrator__pb2.GetOutlineRequest.SerializeToString,
+            specdec_dot_v1_dot_orchestrator__pb2.Outline.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,148 @@
+"""Draft replicas behind one interface: health checking, a circuit breaker per replica, session affinity.
+
+A session sticks to the replica that holds its KV cache (rendezvous hashing, so affinity survives
+orchestrator restarts without shared state); when that replica is unhealthy the session fails over to
+the next one in its ranking, which rebuilds the cache from the committed tokens (a TokenDelta from 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.clients import DraftClient
+
+log = logging.getLogger("specdec.orchestrator.pool")
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class CircuitBreaker:
+    """closed -> (failure) -> open for a back-off -> half-open: one probe call -> closed or open again."""
+
+    def __init__(self, open_s: float = 1.0, max_open_s: float = 10.0, failure_threshold: int = 1):
+        self.base_open_s = open_s
+        self.max_open_s = max_open_s
+        self.failure_threshold = failure_threshold
+        self.state = CLOSED
+        self.failures = 0
+        self.open_s = open_s
+        self.opened_at = 0.0
+        self._probe_in_flight = False
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.state == CLOSED:
+                return True
+            if self.state == OPEN and time.monotonic() - self.opened_at >= self.open_s:
+                self.state = HALF_OPEN
+            if self.state == HALF_OPEN and not self._probe_in_flight:
+                self._probe_in_flight = True
+                return True
+            return False
+
+    def success(self) -> None:
+        with self._lock:
+            self.state, self.failures, self.open_s, self._probe_in_flight = CLOSED, 0, self.base_open_s, False
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            if self.state == HALF_OPEN:
+                self.open_s = min(self.max_open_s, self.open_s * 2)  # a failed probe backs off further
+            if self.state == HALF_OPEN or self.failures >= self.failure_threshold:
+                self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
+
+    def health_ok(self) -> None:
+        """A passing health check shortens an open breaker to half-open (probe on the next call)."""
+        with self._lock:
+            if self.state == OPEN:
+                self.state = HALF_OPEN
+
+    def health_failed(self) -> None:
+        with self._lock:
+            if self.state != OPEN:
+                self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
+
+
+class DraftReplica:
+    def __init__(self, address: str, breaker: CircuitBreaker):
+        self.address = address
+        self.client = DraftClient(address)
+        self.breaker = breaker
+        self.health_stub = health_pb2_grpc.HealthStub(self.client.channel)
+        self.info = None
+
+    def check_health(self, timeout: float) -> bool:
+        try:
+            reply = self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            ok = False
+        (self.breaker.health_ok if ok else self.breaker.health_failed)()
+        return ok
+
+
+def _rank(session_id: str, address: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "big")
+
+
+class DraftPool:
+    def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
+                 health_interval_s: float = 0.5, health_timeout_s: float = 0.3, on_info=None):
+        if not addresses:
+            raise ValueError("a draft pool needs at least one address")
+        self.replicas = [DraftReplica(a, CircuitBreaker(breaker_open_s, breaker_max_open_s)) for a in addresses]
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.on_info = on_info  # called with (replica, ModelInfo) the first time a replica answers GetInfo
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._health_loop, name="draft-health", daemon=True)
+        self._thread.start()
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            for r in self.replicas:
+                if r.check_health(self.health_timeout_s) and r.info is None and self.on_info is not None:
+                    try:
+                        r.info = r.client.info(timeout=self.health_timeout_s * 3)
+                        self.on_info(r, r.info)
+                    except grpc.RpcError:
+                        pass
+                    except Exception:  # noqa: BLE001 - e.g. an incompatible replica: keep it out
+                        log.exception("draft replica refused", extra={"replica": r.address})
+                        r.breaker.health_failed()
+
+    def ranking(self, session_id: str) -> list[DraftReplica]:
+        return sorted(self.replicas, key=lambda r: _rank(session_id, r.address), reverse=True)
+
+    def pick(self, session_id: str) -> DraftReplica | None:
+        """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
+        for r in self.ranking(session_id):
+            if r.breaker.allow():
+                return r
+        return None
+
+    def any_available(self) -> bool:
+        return any(r.breaker.state != OPEN for r in self.replicas)
+
+    def by_address(self, address: str) -> DraftReplica | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
+    def release(self, session_id: str) -> None:
+        for r in self.replicas:
+            try:
+                r.client.release(session_id, timeout=0.5)
+            except grpc.RpcError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for r in self.replicas:
+            r.client.close()
