@@ -101,28 +101,30 @@ class TargetClient:
         return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
     def verify(self, session_id: str, committed: list[int], pos: int, draft_tokens: list[int], draft_probs: list,
-               params: SamplingParams, seed: int, step: int, timeout: float) -> VerifyReply:
+               params: SamplingParams, seed: int, step: int, timeout: float,
+               wait_for_ready: bool = False) -> VerifyReply:
         sampling = wire.sampling_to_proto(params, seed)
 
         def call(delta):
             return self.stub.Verify(
                 target_pb2.VerifyRequest(session_id=session_id, delta=delta, draft_tokens=draft_tokens,
                                          draft_probs=draft_probs, sampling=sampling, step=step),
-                timeout=timeout,
+                timeout=timeout, wait_for_ready=wait_for_ready,
             )
 
         r, resynced = _call_with_resync(call, committed, pos)
         return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced)
 
     def decode(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
-               seed: int, step: int, stop_token_ids: list[int], timeout: float) -> DecodeReply:
+               seed: int, step: int, stop_token_ids: list[int], timeout: float,
+               wait_for_ready: bool = False) -> DecodeReply:
         sampling = wire.sampling_to_proto(params, seed)
 
         def call(delta):
             return self.stub.Decode(
                 target_pb2.DecodeRequest(session_id=session_id, delta=delta, max_tokens=max_tokens,
                                          sampling=sampling, step=step, stop_token_ids=stop_token_ids),
-                timeout=timeout,
+                timeout=timeout, wait_for_ready=wait_for_ready,
             )
 
         r, resynced = _call_with_resync(call, committed, pos)

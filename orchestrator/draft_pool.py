@@ -78,6 +78,7 @@ class DraftReplica:
         self.breaker = breaker
         self.health_stub = health_pb2_grpc.HealthStub(self.client.channel)
         self.info = None
+        self.refused: str | None = None  # set when the replica turned out incompatible; never used then
 
     def check_health(self, timeout: float) -> bool:
         try:
@@ -115,9 +116,9 @@ class DraftPool:
                         self.on_info(r, r.info)
                     except grpc.RpcError:
                         pass
-                    except Exception:  # noqa: BLE001 - e.g. an incompatible replica: keep it out
-                        log.exception("draft replica refused", extra={"replica": r.address})
-                        r.breaker.health_failed()
+                    except Exception as e:  # noqa: BLE001 - e.g. an incompatible replica: keep it out
+                        log.error("draft replica refused", extra={"replica": r.address, "reason": str(e)})
+                        r.refused = str(e)
 
     def ranking(self, session_id: str) -> list[DraftReplica]:
         return sorted(self.replicas, key=lambda r: _rank(session_id, r.address), reverse=True)
@@ -125,12 +126,12 @@ class DraftPool:
     def pick(self, session_id: str) -> DraftReplica | None:
         """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
         for r in self.ranking(session_id):
-            if r.breaker.allow():
+            if r.refused is None and r.breaker.allow():
                 return r
         return None
 
     def any_available(self) -> bool:
-        return any(r.breaker.state != OPEN for r in self.replicas)
+        return any(r.refused is None and r.breaker.state != OPEN for r in self.replicas)
 
     def by_address(self, address: str) -> DraftReplica | None:
         return next((r for r in self.replicas if r.address == address), None)

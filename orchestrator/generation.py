@@ -1,8 +1,8 @@
 """The speculative loop: draft proposes, target verifies, the orchestrator commits and stores each block.
 
 One step:  tokens = draft.propose(k)  ->  (n, next) = target.verify(tokens)  ->  commit tokens[:n] + [next]
-If the draft fails (error, deadline, malformed reply) the step decodes target-only instead, so output
-never depends on the draft; only speed does.
+If the draft fails (error, deadline, malformed reply) the step decodes target-only instead, so the output
+never depends on the draft; only the speed does.
 """
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.session_store import SessionRecord
+from orchestrator import metrics
+from orchestrator.clients import TargetClient
+from orchestrator.draft_pool import DraftPool
+from orchestrator.session_store import SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
 from specdec import telemetry
 from specdec.sampling import SamplingParams
@@ -27,6 +31,10 @@ FINISH_LENGTH = opb.FINISH_REASON_LENGTH
 FINISH_EOS = opb.FINISH_REASON_EOS
 FINISH_STOP = opb.FINISH_REASON_STOP
 FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
+
+COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
+            "draft_failures", "decode_steps", "replica_failovers", "target_resyncs")
+TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms")
 
 
 class GenerationError(Exception):
@@ -40,12 +48,14 @@ class GenerationError(Exception):
 class LoopConfig:
     default_draft_len: int = 4
     max_draft_len: int = 16
-    fallback_chunk: int = 4            # tokens per target-only Decode call when degraded
-    draft_timeout_floor_ms: float = 100.0
-    draft_timeout_factor: float = 3.0  # x the measured target step time
-    draft_first_call_timeout_ms: float = 5000.0  # the draft's first call per session prefills the prompt
-    draft_retry_after_s: float = 1.0   # after a draft failure, decode target-only this long before retrying
+    adaptive_draft_len: bool = False   # per-session heuristic: grow on full acceptance, shrink on rejection
+    fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
+    draft_timeout_floor_ms: float = 50.0
+    draft_timeout_factor: float = 2.0  # x the measured target step: a slower draft is no help
+    draft_first_call_timeout_ms: float = 5000.0  # a replica's first call per session prefills the prompt
     target_timeout_s: float = 30.0
+    target_grace_s: float = 15.0       # how long a step waits for a dead target to come back
+    store_grace_s: float = 10.0        # how long a step waits for the session store to come back
 
 
 @dataclass
@@ -60,8 +70,6 @@ class AcceptanceWindow:
     """Acceptance over the orchestrator's most recent verify steps (all sessions), for the outline and metrics."""
 
     def __init__(self, max_steps: int = 1000):
-        from collections import deque
-
         self.max_steps = max_steps
         self._steps = deque(maxlen=max_steps)
         self._lock = threading.Lock()
@@ -80,37 +88,46 @@ class AcceptanceWindow:
                 "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
 
 
-class DraftHealth:
-    """A minimal breaker shared by all sessions: after a failure, skip the draft for a cool-down."""
+class DraftLength:
+    """Draft length per session. Fixed, or the heuristic transformers uses for assisted generation:
+    +2 after a fully accepted block, -1 after a rejection."""
 
-    def __init__(self, retry_after_s: float):
-        self.retry_after_s = retry_after_s
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-        self.failures: dict[str, int] = {}
+    def __init__(self, start: int, max_len: int, adaptive: bool):
+        self.k = max(1, min(start, max_len))
+        self.max_len = max_len
+        self.adaptive = adaptive
 
-    def available(self) -> bool:
-        return time.monotonic() >= self._open_until
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        self.k = min(self.max_len, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
-    def failed(self, kind: str) -> None:
-        with self._lock:
-            self.failures[kind] = self.failures.get(kind, 0) + 1
-            self._open_until = time.monotonic() + self.retry_after_s
+
+def _valid_distributions(msgs, vocab_size: int) -> bool:
+    for m in msgs:
+        values = np.frombuffer(m.values_fp16, dtype="<f2")
+        if len(m.indices) == 0:
+            if values.size != vocab_size:
+                return False
+        elif len(m.indices) != values.size or max(m.indices) >= vocab_size:
+            return False
+        if not np.all(np.isfinite(values)) or np.any(values < 0) or not values.any():
+            return False
+    return True
 
 
 @dataclass
 class Generation:
     rec: SessionRecord
     target: TargetClient
-    draft: DraftClient | None
+    pool: DraftPool | None
     tokenizer: object
     eos_ids: set[int]
     vocab_size: int
     cfg: LoopConfig
-    draft_health: DraftHealth
     cancel: threading.Event = field(default_factory=threading.Event)
     window: AcceptanceWindow | None = None
-    target_step_ms: float = 0.0  # EMA of the target's per-step time, sets the draft deadline
+    target_step_ms: float = 0.0  # EMA of one target forward, sets the draft deadline
 
     def __post_init__(self):
         p = self.rec.params
@@ -118,75 +135,122 @@ class Generation:
         self.seed = int(p["seed"])
         self.stop_ids = set(p["stop_token_ids"]) | (set() if p["ignore_eos"] else self.eos_ids)
         self.text = TextTracker(self.tokenizer, p["stop"])
-        s = self.rec.stats
-        for key in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps",
-                    "fallback_tokens", "draft_failures", "decode_steps"):
-            s.setdefault(key, 0)
-        for key in ("draft_ms", "verify_ms", "wall_ms"):
-            s.setdefault(key, 0.0)
+        for key in COUNTERS:
+            self.rec.stats.setdefault(key, 0)
+        for key in TIMERS:
+            self.rec.stats.setdefault(key, 0.0)
+        self.rec.stats.setdefault("draft_failures_by_kind", {})
+        start = int(p["max_draft_len"]) or self.cfg.default_draft_len
+        # A per-request max_draft_len is a fixed length; the server default may adapt.
+        self.draft_len = DraftLength(start, self.cfg.max_draft_len,
+                                     self.cfg.adaptive_draft_len and not int(p["max_draft_len"]))
 
-    # -- one step -------------------------------------------------------------------------------
+    # -- the draft side ----------------------------------------------------------------------------
 
     def _wants_draft(self) -> bool:
-        return self.draft is not None and bool(self.rec.params["speculation"])
+        return self.pool is not None and bool(self.rec.params["speculation"])
 
     def _draft_timeout_s(self) -> float:
-        if self.rec.draft_pos == 0:
+        if self.rec.draft_pos == 0 or self.target_step_ms == 0:
             return self.cfg.draft_first_call_timeout_ms / 1e3
         return max(self.cfg.draft_timeout_floor_ms, self.cfg.draft_timeout_factor * self.target_step_ms) / 1e3
 
-    def _propose(self, k: int):
-        """Draft k tokens: (reply, False), (None, False) if nothing was drafted, (None, True) if the draft failed."""
+    def _pick_replica(self):
+        rec = self.rec
+        replica = self.pool.pick(rec.session_id)
+        if replica is None:
+            return None
+        if replica.address != rec.draft_replica:
+            if rec.draft_replica:
+                rec.stats["replica_failovers"] += 1
+                metrics.record_failover()
+                log.info("draft failover", extra={"session_id": rec.session_id, "from": rec.draft_replica,
+                                                  "to": replica.address})
+            rec.draft_replica, rec.draft_pos = replica.address, 0  # the new replica rebuilds from token 0
+        return replica
+
+    def _propose(self, replica, k: int):
+        """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed."""
         rec = self.rec
         try:
-            with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k):
-                reply = self.draft.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
-                                           self.seed, rec.step, self._draft_timeout_s())
+            with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
+                reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
+                                               self.seed, rec.step, self._draft_timeout_s())
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
-            self._draft_failed(kind, e.details())
+            self._draft_failed(replica, kind, e.details())
             return None, True
-        bad = (len(reply.tokens) > k or any(t >= self.vocab_size for t in reply.tokens)
-               or (not self.params.is_greedy and len(reply.probs) not in (0, len(reply.tokens))))
-        if bad:
-            self._draft_failed("malformed", f"{len(reply.tokens)} tokens, {len(reply.probs)} distributions")
+        if (len(reply.tokens) > k or any(t >= self.vocab_size for t in reply.tokens)
+                or (not self.params.is_greedy and len(reply.probs) not in (0, len(reply.tokens)))
+                or not _valid_distributions(reply.probs, self.vocab_size)):
+            self._draft_failed(replica, "malformed", f"{len(reply.tokens)} tokens, {len(reply.probs)} distributions")
             return None, True
+        replica.breaker.success()
+        rec.stats["draft_ms"] += reply.draft_ms
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
-        rec.stats["draft_ms"] += reply.draft_ms
         return reply, False
 
-    def _draft_failed(self, kind: str, detail: str | None) -> None:
-        self.rec.stats["draft_failures"] += 1
-        self.draft_health.failed(kind)
-        self.rec.draft_pos = 0  # the draft's state is unknown now; resync on the next call
-        log.warning("draft failed; decoding target-only", extra={"session_id": self.rec.session_id,
-                                                                   "kind": kind, "detail": detail})
+    def _draft_failed(self, replica, kind: str, detail: str | None) -> None:
+        stats = self.rec.stats
+        stats["draft_failures"] += 1
+        stats["draft_failures_by_kind"][kind] = stats["draft_failures_by_kind"].get(kind, 0) + 1
+        replica.breaker.failure()
+        self.rec.draft_pos = 0  # the replica's state is unknown now; resync on the next call
+        metrics.record_draft_failure(kind)
+        log.warning("draft failed; decoding target-only", extra={
+            "session_id": self.rec.session_id, "replica": replica.address, "kind": kind, "detail": detail})
+
+    # -- the target side ---------------------------------------------------------------------------
 
     def _target_call(self, fn, what: str):
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            raise GenerationError(e.code(), f"target {what} failed: {e.details()}") from e
+        """Call the target; if it is down, wait (grpc wait_for_ready) up to the grace period for it to return."""
+        deadline = time.monotonic() + self.cfg.target_grace_s
+        while True:
+            try:
+                reply = fn(min(self.cfg.target_timeout_s, max(0.05, deadline - time.monotonic())))
+                if reply.resynced:
+                    self.rec.stats["target_resyncs"] += 1
+                return reply
+            except grpc.RpcError as e:
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retryable:
+                    raise GenerationError(e.code(), f"target {what} failed: {e.details()}") from e
+                if time.monotonic() >= deadline or self.cancel.is_set():
+                    raise GenerationError(grpc.StatusCode.UNAVAILABLE,
+                                          f"target unavailable for {self.cfg.target_grace_s:.0f} s during {what}: "
+                                          f"{e.details()}; the session can be resumed") from e
+                log.warning("target unavailable; waiting", extra={"session_id": self.rec.session_id,
+                                                                  "code": e.code().name})
+                time.sleep(0.1)
 
-    def step(self, remaining: int) -> list[int]:
-        """Run one step; return the newly committed tokens (before stop handling)."""
+    def _verify(self, reply) -> list[int]:
         rec, stats = self.rec, self.rec.stats
-        k = min(int(rec.params["max_draft_len"]) or self.cfg.default_draft_len, self.cfg.max_draft_len, remaining - 1)
-        degraded = self._wants_draft() and not self.draft_health.available()
-        n = self.cfg.fallback_chunk
-        if k > 0 and self._wants_draft() and not degraded:
-            reply, failed = self._propose(k)
-            if reply is not None:
-                return self._verify(reply)
-            degraded = failed
-            n = self.cfg.fallback_chunk if failed else 1  # nothing drafted: one target token, then draft again
-        n = min(n, remaining)
+        ctx = len(rec.committed)
+        with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
+            v = self._target_call(lambda t: self.target.verify(
+                rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
+                self.seed, rec.step, t, wait_for_ready=True), "verify")
+        rec.target_pos = v.cached_len
+        rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
+        stats["verify_steps"] += 1
+        stats["draft_tokens_proposed"] += len(reply.tokens)
+        stats["draft_tokens_accepted"] += v.num_accepted
+        stats["verify_ms"] += v.verify_ms
+        self.draft_len.update(len(reply.tokens), v.num_accepted)
+        if self.window is not None:
+            self.window.add(len(reply.tokens), v.num_accepted)
+        metrics.record_acceptance(len(reply.tokens), v.num_accepted)
+        self._observe_target(v.verify_ms)
+        return reply.tokens[: v.num_accepted] + [v.next_token]
+
+    def _decode(self, n: int, degraded: bool) -> list[int]:
+        rec, stats = self.rec, self.rec.stats
         with telemetry.span("orchestrator.decode", session_id=rec.session_id, n=n, degraded=degraded):
-            d = self._target_call(lambda: self.target.decode(
+            d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
-                sorted(self.stop_ids), self.cfg.target_timeout_s), "decode")
+                sorted(self.stop_ids), t, wait_for_ready=True), "decode")
         rec.target_pos = d.cached_len
         stats["decode_steps"] += 1
         if degraded:
@@ -196,28 +260,27 @@ class Generation:
         self._observe_target(d.decode_ms / max(1, len(d.tokens)))
         return d.tokens
 
-    def _verify(self, reply) -> list[int]:
-        rec, stats = self.rec, self.rec.stats
-        ctx = len(rec.committed)
-        with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
-            v = self._target_call(lambda: self.target.verify(
-                rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
-                self.seed, rec.step, self.cfg.target_timeout_s), "verify")
-        rec.target_pos = v.cached_len
-        rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
-        stats["verify_steps"] += 1
-        stats["draft_tokens_proposed"] += len(reply.tokens)
-        stats["draft_tokens_accepted"] += v.num_accepted
-        stats["verify_ms"] += v.verify_ms
-        if self.window is not None:
-            self.window.add(len(reply.tokens), v.num_accepted)
-        self._observe_target(v.verify_ms)
-        return reply.tokens[: v.num_accepted] + [v.next_token]
-
     def _observe_target(self, ms: float) -> None:
         self.target_step_ms = ms if self.target_step_ms == 0 else 0.8 * self.target_step_ms + 0.2 * ms
 
-    # -- the loop -------------------------------------------------------------------------------
+    # -- one step ------------------------------------------------------------------------------------
+
+    def step(self, remaining: int) -> tuple[list[int], bool]:
+        """One step: (newly committed tokens before stop handling, whether it ran degraded)."""
+        k = min(self.draft_len.k, remaining - 1)
+        if k <= 0 or not self._wants_draft():
+            return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
+        replica = self._pick_replica()
+        if replica is not None:
+            reply, failed = self._propose(replica, k)
+            if reply is not None:
+                return self._verify(reply), False
+            if not failed:
+                return self._decode(1, False), False  # nothing drafted: one target token, then draft again
+        # Every replica failed or is open: target-only for a few tokens, then try the draft again.
+        return self._decode(min(self.cfg.fallback_chunk, remaining), True), True
+
+    # -- the loop --------------------------------------------------------------------------------------
 
     def commit(self, new: list[int]) -> tuple[list[int], int]:
         """Apply stop conditions to a block; append what survives; return (kept tokens, finish reason)."""
@@ -242,6 +305,19 @@ class Generation:
             finish = FINISH_STOP
         return kept, finish
 
+    def _store(self, store, fn) -> None:
+        """Write to the session store; if it is down, wait up to the grace period (nothing is streamed unstored)."""
+        deadline = time.monotonic() + self.cfg.store_grace_s
+        while True:
+            try:
+                with telemetry.span("orchestrator.store", session_id=self.rec.session_id):
+                    return fn()
+            except StoreUnavailable as e:
+                if time.monotonic() >= deadline or self.cancel.is_set():
+                    raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{e}; the session keeps its last "
+                                          "stored state and can be resumed when the store is back") from e
+                time.sleep(0.1)
+
     def run(self, store) -> "iter[Chunk]":
         rec = self.rec
         max_new = int(rec.params["max_new_tokens"])
@@ -249,16 +325,20 @@ class Generation:
             t0 = time.perf_counter()
             if self.cancel.is_set():
                 rec.status, rec.finish_reason = "cancelled", FINISH_CANCELLED
-                store.update_state(rec)
+                self._store(store, lambda: store.update_state(rec))
                 yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED)
                 return
             offset = len(rec.generated)
-            kept, finish = self.commit(self.step(max_new - offset))
+            new, degraded = self.step(max_new - offset)
+            kept, finish = self.commit(new)
             rec.step += 1
             if finish:
                 rec.status, rec.finish_reason = "finished", finish
-            rec.stats["wall_ms"] += (time.perf_counter() - t0) * 1e3
-            store.commit(rec, kept)  # stored before the client sees it: nothing acknowledged is lost
+            step_ms = (time.perf_counter() - t0) * 1e3
+            rec.stats["wall_ms"] += step_ms
+            if degraded:
+                rec.stats["degraded_ms"] += step_ms
+            self._store(store, lambda: store.commit(rec, kept))  # stored before the client sees it
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None
             yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish)
@@ -271,20 +351,15 @@ def stats_message(rec: SessionRecord) -> opb.GenerationStats:
     vsteps = s.get("verify_steps", 0)
     wall_ms = s.get("wall_ms", 0.0)
     n = len(rec.generated)
-    return opb.GenerationStats(
+    msg = opb.GenerationStats(
         prompt_tokens=len(rec.prompt_ids),
         generated_tokens=n,
-        verify_steps=vsteps,
-        draft_tokens_proposed=proposed,
-        draft_tokens_accepted=accepted,
         acceptance_rate=accepted / proposed if proposed else 0.0,
         mean_accepted_length=(accepted + vsteps) / vsteps if vsteps else 0.0,
-        draft_ms=s.get("draft_ms", 0.0),
-        verify_ms=s.get("verify_ms", 0.0),
-        fallback_steps=s.get("fallback_steps", 0),
-        fallback_tokens=s.get("fallback_tokens", 0),
-        wall_ms=wall_ms,
         tokens_per_second=n / (wall_ms / 1e3) if wall_ms > 0 else 0.0,
-        draft_failures=s.get("draft_failures", 0),
-        decode_steps=s.get("decode_steps", 0),
+        **{k: s.get(k, 0) for k in COUNTERS},
+        **{k: s.get(k, 0.0) for k in TIMERS},
     )
+    for kind, count in s.get("draft_failures_by_kind", {}).items():
+        msg.draft_failures_by_kind[kind] = count
+    return msg

@@ -1,7 +1,367 @@
-"""The running system's design outline (`specdec outline`, Orchestrator.GetOutline)."""
+"""The running system's design outline (`specdec outline`, Orchestrator.GetOutline).
+
+Everything here is read from the live orchestrator: its loop configuration, the models the services
+reported, the acceptance measured over its recent verify steps, the draft breaker's state and (when
+telemetry is installed) the measured round-trip latencies of draft and verify calls. The draft's
+ModelInfo is cached, so an outline request never waits long on a draft that is down.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+import weakref
+from urllib.parse import urlsplit, urlunsplit
+
+DRAFT_INFO_TIMEOUT_S = 0.5  # how long an outline request may wait on the draft's GetInfo
+DRAFT_INFO_TTL_S = 60.0     # re-ask a reachable draft after this long (it may have been replaced)
+DRAFT_RETRY_S = 5.0         # re-ask an unreachable draft after this long
+
+_cache: "weakref.WeakKeyDictionary[object, tuple[float, object, str]]" = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+class _Replica:
+    """A stand-in for a draft pool replica when the servicer has a single DraftClient (``.draft``)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.address = getattr(client, "address", "")
+        self.info = None
+        self.refused = None
+        self.breaker = None
+
+
+def _replicas(servicer) -> list:
+    pool = getattr(servicer, "pool", None)
+    if pool is not None:
+        return list(getattr(pool, "replicas", []))
+    draft = getattr(servicer, "draft", None)
+    if draft is None:
+        return []
+    with _cache_lock:
+        rep = _cache.get(draft)
+        if rep is None or not isinstance(rep, _Replica):
+            rep = _cache[draft] = _Replica(draft)
+    return [rep]
+
+
+def _replica_info(replica):
+    """(ModelInfo or None, status): status 'reachable', 'unreachable: CODE' or 'refused: why'.
+
+    The pool's own cached info is used when it has one; else GetInfo with a short deadline, cached
+    (long on success, short on failure) so outline requests never pile up on a dead draft."""
+    if getattr(replica, "refused", None):
+        return getattr(replica, "info", None), f"refused: {replica.refused}"
+    known = getattr(replica, "info", None)
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(replica) if not isinstance(replica, _Replica) else getattr(replica, "_hit", None)
+    if hit is not None and hit[0] > now:
+        return hit[1] or known, hit[2]
+    try:
+        info = replica.client.info(timeout=DRAFT_INFO_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - grpc.RpcError or a closed channel: the draft is unreachable
+        code = getattr(e, "code", None)
+        name = code().name if callable(code) else type(e).__name__
+        prev = known or (hit[1] if hit is not None else None)  # what the draft said when it last answered
+        entry = (now + DRAFT_RETRY_S, prev, f"unreachable: {name}")
+    else:
+        entry = (now + DRAFT_INFO_TTL_S, info, "reachable")
+    with _cache_lock:
+        if isinstance(replica, _Replica):
+            replica._hit = entry
+        else:
+            _cache[replica] = entry
+    return entry[1], entry[2]
+
+
+def _redact(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable>"
+    if parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        parts = parts._replace(netloc=user + host)
+    return urlunsplit(parts)
+
+
+def _model_dict(info) -> dict:
+    if info is None:
+        return {}
+    out = {"name": info.model_name, "strategy": info.strategy}
+    for key, field in (("vocabSize", "vocab_size"), ("maxContext", "max_context")):
+        value = getattr(info, field, 0)
+        if value:
+            out[key] = int(value)
+    for key in ("device", "dtype"):
+        value = getattr(info, key, "")
+        if value:
+            out[key] = value
+    if getattr(info, "tokenizer_fingerprint", ""):
+        out["tokenizerFingerprint"] = info.tokenizer_fingerprint[:12]
+    return out
+
+
+def _tree_settings(cfg) -> dict:
+    """Any tree-speculation settings the loop config has (none in a chain-only build)."""
+    if not dataclasses.is_dataclass(cfg):
+        return {}
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if "tree" in f.name and getattr(cfg, f.name) not in (None, 0, False, "", (), [])}
+
+
+def _measured_latency_ms() -> dict:
+    """Mean orchestrator-side round trips of draft Propose / target Verify / target Decode, if recorded."""
+    from specdec import telemetry
+
+    if not telemetry.providers_installed():
+        return {}
+    entry = telemetry.snapshot().get("rpc.client.call.duration")
+    if not entry:
+        return {}
+    out = {}
+    for key, method in (("draftRoundTripMs", "Propose"), ("verifyRoundTripMs", "Verify"),
+                        ("decodeRoundTripMs", "Decode")):
+        pts = [p for p in entry["points"] if p["attributes"].get("rpc.method") == method
+               and p["attributes"].get("rpc.grpc.status_code") == "OK"]
+        count = sum(p["count"] for p in pts)
+        if count:
+            out[key] = round(sum(p["sum"] for p in pts) / count * 1e3, 3)
+    return out
+
+
+def _cfg(cfg, name: str, default):
+    return getattr(cfg, name, default)
+
+
+def _draft_view(servicer) -> dict:
+    """Per-replica info and status, and the first known ModelInfo."""
+    reps = []
+    info = None
+    for r in _replicas(servicer):
+        r_info, status = _replica_info(r)
+        info = info or r_info
+        entry = {"address": r.address, "status": status}
+        breaker = getattr(r, "breaker", None)
+        if breaker is not None and getattr(breaker, "state", None):
+            entry["breaker"] = breaker.state
+        if r_info is not None:
+            entry["model"] = r_info.model_name
+        reps.append(entry)
+    return {"replicas": reps, "info": info}
+
+
+def _draft_status(view: dict) -> str:
+    reps = view["replicas"]
+    if not reps:
+        return "not configured"
+    up = [r for r in reps if r["status"] == "reachable"]
+    if len(reps) == 1:
+        return reps[0]["status"]
+    return f"{len(up)} of {len(reps)} replicas reachable"
+
+
+def _draft_strategy(servicer, view: dict) -> dict:
+    cfg = servicer.cfg
+    info, reps = view["info"], view["replicas"]
+    status = _draft_status(view)
+    tree = _tree_settings(cfg)
+    kind = (info.strategy if info is not None else ("unknown" if reps else "none")) or "unknown"
+    if not reps:
+        drafter = "none: no draft service configured; every step is a target-only Decode"
+    elif kind == "ngram":
+        drafter = ("n-gram prompt lookup (model-free): continues the most recent earlier occurrence of the "
+                   "context's last 1-3 tokens; deterministic, so q is one-hot")
+    elif kind == "model":
+        drafter = (f"draft model {info.model_name}: a small causal LM sharing the target's tokenizer proposes k "
+                   "tokens autoregressively from its own per-session KV cache")
+    else:
+        drafter = f"draft service ({status}); its kind is not known yet"
+    if reps and not any(r["status"] == "reachable" for r in reps):
+        drafter += f" [currently {status}: steps fall back to target-only decoding]"
+    default_k, max_k = _cfg(cfg, "default_draft_len", 4), _cfg(cfg, "max_draft_len", 16)
+    adaptive = bool(_cfg(cfg, "adaptive_draft_len", False))
+    if adaptive:
+        policy = (f"adaptive per session: starts at {default_k}, +2 after a fully accepted block, -1 after a "
+                  f"rejection, within 1..{max_k}; a request's max_draft_len fixes k instead")
+    else:
+        policy = f"fixed: k = the request's max_draft_len or the default {default_k}, at most {max_k}"
+    policy += ("; never more than the tokens left minus one; a drafter may return fewer (a short n-gram "
+               "continuation), and an empty draft makes that step one target-only token")
+    out = {
+        "kind": kind,
+        "drafter": drafter,
+        "structure": "tree" if tree else "chain",
+        "structureDetail": (f"token tree verified in one target forward with a tree attention mask: {tree}" if tree
+                            else "one linear chain of k draft tokens per step, verified in one target forward"),
+        "draftLength": {"policy": policy, "adaptive": adaptive, "default": default_k, "max": max_k},
+        "status": status,
+    }
+    if reps:
+        out["replicas"] = reps
+        if len(reps) > 1:
+            out["placement"] = ("a session sticks to one replica (rendezvous hashing of session id and address) "
+                                "and fails over to the next in its ranking")
+    return out
+
+
+def _verification(servicer) -> dict:
+    target = getattr(servicer, "target", None)
+    where = getattr(target, "address", "") or "the target service"
+    return {
+        "scheme": "greedy when temperature is 0, rejection sampling otherwise (chosen per request)",
+        "greedy": ("accept draft tokens while each equals the target's argmax; the first mismatch is replaced "
+                   "by the target's argmax (plus a bonus token when all k match): output identical to "
+                   "target-only greedy decoding"),
+        "sampling": ("speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept x_i with "
+                     "probability min(1, p(x_i)/q(x_i)), else sample from norm(max(0, p - q)); a bonus token from p "
+                     "when all k are accepted; a deterministic drafter (n-gram) has one-hot q, so x_i is accepted "
+                     "with probability p(x_i). Committed tokens are distributed exactly as the target's samples"),
+        "runsOn": f"target service ({where}): one forward over the new context + k draft tokens gives k+1 rows",
+        "network": ("only token ids cross the network (deltas past each service's cached position), plus the "
+                    "draft's fp16 distributions q when a model drafter samples; the target's full logits never "
+                    "leave the target service, which answers (num_accepted, next_token)"),
+        "randomness": "seeded per (seed, step, stream): a resumed session draws the same random numbers",
+        "lossless": True,
+    }
+
+
+def _acceptance(servicer) -> dict:
+    snap = servicer.window.snapshot()
+    rate = snap.get("acceptance_rate")
+    out = {
+        "value": round(rate, 4) if rate is not None else None,
+        "windowSteps": snap.get("window_steps"),
+        "stepsObserved": snap.get("steps", 0),
+        "draftTokensProposed": snap.get("proposed", 0),
+        "draftTokensAccepted": snap.get("accepted", 0),
+        "meanAcceptedLength": (round(snap["mean_accepted_length"], 4)
+                               if snap.get("mean_accepted_length") is not None else None),
+        "scope": "accepted / proposed draft tokens over this orchestrator's most recent verify steps, all sessions",
+    }
+    if rate is None:
+        out["note"] = "no verify steps yet"
+    return out
+
+
+def _failure_mode(servicer, view: dict) -> dict:
+    from specdec import telemetry
+
+    cfg = servicer.cfg
+    pool = getattr(servicer, "pool", None)
+    breaker = None
+    if pool is not None and getattr(pool, "replicas", None):
+        breaker = getattr(pool.replicas[0], "breaker", None)
+    open_s = getattr(breaker, "base_open_s", None)
+    max_open_s = getattr(breaker, "max_open_s", None)
+    chunk = _cfg(cfg, "fallback_chunk", 4)
+    if open_s is not None:
+        breaker_text = (f"that replica's circuit breaker opens for {open_s:g} s (doubling after a failed probe, up to "
+                        f"{max_open_s:g} s; a passing health check every {getattr(pool, 'health_interval_s', 0.5):g} s "
+                        "lets one probe call through)")
+    else:
+        breaker_text = "the draft is skipped for a short cool-down before it is tried again"
+    out = {
+        "draftFailure": (f"a draft error, deadline or malformed reply never fails a request: {breaker_text}; the "
+                         "session moves to its next healthy replica (which rebuilds its cache from the committed "
+                         f"tokens) or, with none left, decodes target-only (one Decode of up to {chunk} tokens per "
+                         "step) until a replica answers again. Output is unchanged; only speed drops"),
+        "draftDeadline": (f"max({_cfg(cfg, 'draft_timeout_floor_ms', 50.0):g} ms, "
+                          f"{_cfg(cfg, 'draft_timeout_factor', 2.0):g} x the measured target step time); "
+                          f"{_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms for a replica's first call per "
+                          "session (it prefills the prompt)"),
+        "targetFailure": (f"the target is required: a step waits up to {_cfg(cfg, 'target_grace_s', 15.0):g} s for an "
+                          "unavailable target to come back, then ends the stream with UNAVAILABLE; committed tokens "
+                          "are in the session store, so the client resumes with resume_session_id"),
+        "cacheLoss": ("a service that lost a session's KV cache (eviction, restart, another replica) answers "
+                      "cache-miss; the orchestrator resends the whole context once and continues"),
+        "sessionStore": (f"each committed block is written to the session store (one MULTI/EXEC) before the client "
+                         f"sees it; a step waits up to {_cfg(cfg, 'store_grace_s', 10.0):g} s for an unreachable store, "
+                         "then fails with UNAVAILABLE, resumable later"),
+        "draftStatus": _draft_status(view),
+    }
+    if telemetry.providers_installed():
+        entry = telemetry.snapshot().get("specdec.draft.failures")
+        if entry:
+            by_kind: dict = {}
+            for p in entry["points"]:
+                kind = str(p["attributes"].get("kind", "unknown"))
+                by_kind[kind] = by_kind.get(kind, 0) + int(p["value"])
+            out["draftFailuresByKind"] = by_kind
+    return out
+
+
+def _trade_off(servicer, acceptance: dict) -> dict:
+    cfg = servicer.cfg
+    default_k = _cfg(cfg, "default_draft_len", 4)
+    out = {
+        "summary": ("each speculative step spends one draft call (k small-model forwards, or a lookup for n-gram) "
+                    "and one target forward over k+1 positions to commit 1..k+1 tokens; it is faster than "
+                    "target-only decoding when the mean accepted length outweighs the draft's cost and the extra "
+                    "network round trip, and wastes target compute on the rejected positions"),
+        "costPerStep": ("2 gRPC round trips (orchestrator->draft, orchestrator->target) + 1 Redis MULTI/EXEC; "
+                        "target verify cost grows with k; the draft holds its own KV cache per session"),
+        "defaultDraftLength": default_k,
+    }
+    measured = _measured_latency_ms()
+    mal = acceptance.get("meanAcceptedLength")
+    if mal is not None:
+        measured["tokensPerVerifyStep"] = mal
+    if measured:
+        out["measured"] = measured
+    rate = acceptance.get("value")
+    d, v = measured.get("draftRoundTripMs"), measured.get("verifyRoundTripMs")
+    if rate is not None and d is not None and v:
+        from specdec.sampling import speculative_speedup
+
+        # Leviathan et al.'s model with c = draft cost / target step cost, both as measured here.
+        out["estimatedSpeedup"] = round(speculative_speedup(min(max(rate, 0.0), 1.0), default_k, d / v), 3)
+    return out
+
 
 def build_outline(servicer) -> dict:
-    raise NotImplementedError("outline not built yet")
+    view = _draft_view(servicer)
+    status = _draft_status(view)
+    target = getattr(servicer, "target", None)
+    store = getattr(servicer, "store", None)
+    store_url = getattr(store, "url", "") or ""
+    acceptance = _acceptance(servicer)
+    active = getattr(servicer, "_active", None)
+
+    models = {"target": _model_dict(servicer.target_info)}
+    if not view["replicas"]:
+        models["draft"] = {"name": "none", "status": "not configured"}
+    else:
+        models["draft"] = {**(_model_dict(view["info"]) or {"name": "unknown"}), "status": status}
+
+    components = {
+        "orchestrator": {"role": "public gRPC API (specdec.v1.Orchestrator); runs the draft/verify loop and owns "
+                                 "session state",
+                         "activeStreams": len(active) if active is not None else 0},
+        "targetService": {"role": "holds the target model and per-session KV caches; verifies drafts and decodes",
+                          "address": getattr(target, "address", "")},
+        "draftService": ({"role": "proposes draft tokens from its own per-session state",
+                          "replicas": [r["address"] for r in view["replicas"]], "status": status}
+                         if view["replicas"] else {"role": "none", "status": "not configured"}),
+        "sessionStore": {"kind": ("redis" if store_url.startswith(("redis", "unix")) else
+                                  (store_url.split(":")[0] or type(store).__name__)),
+                         "url": _redact(store_url),
+                         "role": "prompt, committed tokens, parameters, RNG step and cache positions per session"},
+    }
+    return {
+        "system": "specdec: disaggregated speculative decoding (draft and target as separate gRPC services)",
+        "draftStrategy": _draft_strategy(servicer, view),
+        "verification": _verification(servicer),
+        "acceptanceRate": acceptance,
+        "failureMode": _failure_mode(servicer, view),
+        "tradeOff": _trade_off(servicer, acceptance),
+        "components": components,
+        "models": models,
+        "generatedAt": round(time.time(), 3),
+    }

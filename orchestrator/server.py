@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import math
+import os
 import secrets
 import threading
 
 import grpc
 
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.generation import AcceptanceWindow, Chunk, DraftHealth, Generation, GenerationError, LoopConfig, stats_message
+from orchestrator.clients import TargetClient
+from orchestrator.draft_pool import DraftPool
+from orchestrator.generation import AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig, stats_message
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors
@@ -23,6 +26,10 @@ log = logging.getLogger("specdec.orchestrator")
 
 class IncompatibleModels(Exception):
     pass
+
+
+def principal_of(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 def check_compatible(target_info, draft_info) -> None:
@@ -42,11 +49,11 @@ def check_compatible(target_info, draft_info) -> None:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, target: TargetClient, draft: DraftClient | None, store, tokenizer, target_info,
+    def __init__(self, target: TargetClient, pool: DraftPool | None, store, tokenizer, target_info,
                  cfg: LoopConfig, max_new_tokens_limit: int = 2048, max_prompt_tokens: int | None = None,
-                 max_stop_strings: int = 16):
+                 max_stop_strings: int = 16, max_active_sessions: int = 64, auth_tokens: list[str] = ()):
         self.target = target
-        self.draft = draft
+        self.pool = pool
         self.store = store
         self.tokenizer = tokenizer
         self.target_info = target_info
@@ -56,8 +63,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_stop_strings = max_stop_strings
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
-        self.draft_health = DraftHealth(cfg.draft_retry_after_s)
         self.window = AcceptanceWindow()
+        self.max_active_sessions = max_active_sessions
+        # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
+        self.principals = {principal_of(t): t for t in auth_tokens}
         self._active: dict[str, threading.Event] = {}
         self._active_lock = threading.Lock()
 
@@ -118,6 +127,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     # -- RPCs -----------------------------------------------------------------------------------
 
+    def _principal(self, context) -> str:
+        """The caller's identity: '' without auth; UNAUTHENTICATED for a missing or wrong bearer token."""
+        if not self.principals:
+            return ""
+        for key, value in context.invocation_metadata():
+            if key == "authorization" and value.startswith("Bearer "):
+                principal = principal_of(value[len("Bearer "):])
+                if principal in self.principals:
+                    return principal
+        raise RpcAbort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
     def Generate(self, request, context):
         try:
             yield from self._generate(request, context)
@@ -134,60 +154,66 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     def _generate(self, request, context):
+        principal = self._principal(context)
         if request.resume_session_id:
-            rec = self.store.load(request.resume_session_id)
-            if rec is None:
-                raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown session id {request.resume_session_id!r}")
+            rec = self._load(request.resume_session_id, principal)
             if request.resume_from > len(rec.generated):
                 raise self._bad(f"resume_from {request.resume_from} is past the {len(rec.generated)} generated tokens")
+            if rec.status == "cancelled":
+                rec.status, rec.finish_reason = "running", 0  # resuming a cancelled session continues it
         else:
             rec = self._new_record(request)
-            self.store.create(rec)
+            rec.params["owner"] = principal
         sid = rec.session_id
         cancel = threading.Event()
         with self._active_lock:
             if sid in self._active:
                 raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid} is already streaming")
+            if len(self._active) >= self.max_active_sessions:
+                raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.max_active_sessions} sessions are generating; retry later")
             self._active[sid] = cancel
-        context.add_callback(cancel.set)  # client cancelled or disconnected
-        gen = Generation(rec, self.target, self.draft, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
-                         self.draft_health, cancel, self.window)
         try:
+            if not request.resume_session_id:
+                self.store.create(rec)
+            context.add_callback(cancel.set)  # client cancelled or disconnected
+            gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
+                             cancel, self.window)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
-                # Replay what the client has not seen yet (everything after resume_from).
+                # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
-                replay = rec.generated[offset:]
-                if replay or not request.resume_session_id:
-                    gen.text.emitted = len(gen.text.decode(rec.generated[:offset])) if offset else 0
-                    final = rec.status != "running"
-                    text = gen.text.delta(rec.generated, final)
-                    yield opb.GenerateResponse(session_id=sid, token_ids=replay, text=text, offset=offset)
+                gen.text.emitted = len(gen.text.decode(rec.generated[:offset])) if offset else 0
+                text = gen.text.delta(rec.generated, rec.status != "running")
+                yield opb.GenerateResponse(session_id=sid, token_ids=rec.generated[offset:], text=text, offset=offset)
                 for chunk in gen.run(self.store):
-                    yield self._response(rec, chunk)
+                    yield opb.GenerateResponse(session_id=sid, text=chunk.text, token_ids=chunk.tokens,
+                                               offset=chunk.offset)
                 yield opb.GenerateResponse(session_id=sid, offset=len(rec.generated), stats=stats_message(rec),
                                            finish_reason=rec.finish_reason)
         finally:
             with self._active_lock:
                 self._active.pop(sid, None)
+            if cancel.is_set() and rec.status == "running":
+                # The client went away mid-step: record it and free the caches.
+                rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
+                try:
+                    self.store.update_state(rec)
+                except StoreUnavailable:
+                    log.warning("could not record cancellation", extra={"session_id": sid})
             if rec.status != "running":
                 self._release_caches(sid)
 
-    def _response(self, rec, chunk: Chunk) -> opb.GenerateResponse:
-        return opb.GenerateResponse(session_id=rec.session_id, text=chunk.text, token_ids=chunk.tokens,
-                                    offset=chunk.offset)
-
     def _release_caches(self, sid: str) -> None:
-        for client in (self.target, self.draft):
-            if client is None:
-                continue
-            try:
-                client.release(sid)
-            except grpc.RpcError as e:
-                log.info("release failed", extra={"session_id": sid, "service": client.address, "code": e.code().name})
+        try:
+            self.target.release(sid)
+        except grpc.RpcError as e:
+            log.info("target release failed", extra={"session_id": sid, "code": e.code().name})
+        if self.pool is not None:
+            self.pool.release(sid)
 
     @handle_errors
     def GetSession(self, request, context):
-        rec = self._load(request.session_id)
+        rec = self._load(request.session_id, self._principal(context))
         text = self.tokenizer.decode(rec.generated, skip_special_tokens=True) if self.tokenizer else ""
         return opb.SessionInfo(session_id=rec.session_id, status=rec.status, prompt_tokens=len(rec.prompt_ids),
                                generated_token_ids=rec.generated, text=text, stats=stats_message(rec),
@@ -195,7 +221,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     @handle_errors
     def CancelSession(self, request, context):
-        rec = self._load(request.session_id)
+        rec = self._load(request.session_id, self._principal(context))
         with self._active_lock:
             event = self._active.get(rec.session_id)
         if event is not None:
@@ -218,40 +244,52 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         msg.outline.update(build_outline(self))
         return msg
 
-    def _load(self, session_id: str) -> SessionRecord:
+    def _load(self, session_id: str, principal: str) -> SessionRecord:
         if not session_id:
             raise self._bad("session_id is required")
         try:
             rec = self.store.load(session_id)
         except StoreUnavailable as e:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        if rec is None:
+        # Another principal's session answers exactly like a missing one: ids reveal nothing.
+        if rec is None or rec.params.get("owner", "") != principal:
             raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown session id {session_id!r}")
         return rec
 
 
-def build_servicer(target_addr: str, draft_addr: str | None, store_url: str, tokenizer_spec: str | None,
-                   cfg: LoopConfig, max_new_tokens_limit: int = 2048, session_ttl_s: int = 3600,
-                   startup_timeout_s: float = 60.0) -> OrchestratorServicer:
+def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_url: str,
+                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
+                   session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
+                   auth_tokens: list[str] = (), breaker_open_s: float = 1.0) -> OrchestratorServicer:
+    """Connect to the target (required) and the draft replicas (optional: unreachable ones join later)."""
     from specdec.models import load_tokenizer
 
     target = TargetClient(target_addr)
     target_info = target.info(timeout=startup_timeout_s)
-    draft = None
-    draft_addr = (draft_addr or "").split(",")[0].strip()
-    if draft_addr:
-        draft = DraftClient(draft_addr)
-        try:
-            draft_info = draft.info(timeout=startup_timeout_s)
-        except grpc.RpcError as e:
-            log.warning("draft not reachable at start-up; starting degraded", extra={"draft": draft_addr,
-                                                                                     "code": e.code().name})
-        else:
-            check_compatible(target_info, draft_info)
+    if isinstance(draft_addrs, str):
+        draft_addrs = [a.strip() for a in draft_addrs.split(",")]
+    draft_addrs = [a for a in (draft_addrs or []) if a]
+    pool = None
+    if draft_addrs:
+        pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s,
+                         on_info=lambda replica, info: check_compatible(target_info, info))
+        for replica in pool.replicas:
+            try:
+                replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
+            except grpc.RpcError as e:
+                log.warning("draft replica not reachable at start-up; it joins when healthy",
+                            extra={"replica": replica.address, "code": e.code().name})
+            else:
+                check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
     tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
     store = open_store(store_url, ttl_s=session_ttl_s)
-    store.ping()
-    return OrchestratorServicer(target, draft, store, tokenizer, target_info, cfg, max_new_tokens_limit)
+    try:
+        store.ping()
+    except StoreUnavailable as e:
+        log.warning("session store unreachable at start-up; new sessions fail until it is back",
+                    extra={"error": str(e)})
+    return OrchestratorServicer(target, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
+                                max_active_sessions=max_active_sessions, auth_tokens=auth_tokens)
 
 
 def build_server(servicer: OrchestratorServicer, address: str, max_workers: int = 32) -> ServiceServer:
@@ -264,20 +302,39 @@ def build_server(servicer: OrchestratorServicer, address: str, max_workers: int 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50050")
     p.add_argument("--target", default="127.0.0.1:50052", help="target service address")
-    p.add_argument("--draft", default="127.0.0.1:50051", help="draft service address ('' = no speculation)")
+    p.add_argument("--draft", default="127.0.0.1:50051",
+                   help="draft replica addresses, comma-separated ('' = no speculation)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="session store URL, or 'memory'")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the target's model)")
-    p.add_argument("--draft-len", type=int, default=4, help="default max draft length")
+    p.add_argument("--draft-len", type=int, default=4, help="default draft length")
+    p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
+    p.add_argument("--adaptive-draft-len", action="store_true", help="adapt the draft length per session")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
+    p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
     p.add_argument("--fallback-chunk", type=int, default=4, help="tokens per target-only Decode when degraded")
+    p.add_argument("--draft-timeout-floor-ms", type=float, default=50.0)
+    p.add_argument("--draft-timeout-factor", type=float, default=2.0, help="x the measured target step time")
+    p.add_argument("--breaker-open-s", type=float, default=1.0, help="how long a failed draft replica is skipped")
+    p.add_argument("--target-grace-s", type=float, default=15.0, help="wait this long for a dead target to return")
+    p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
+    p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
+                   help="file with one bearer token per line; when set, the public API requires one")
 
 
 def serve(args: argparse.Namespace) -> None:
     telemetry.setup("specdec-orchestrator")
-    cfg = LoopConfig(default_draft_len=args.draft_len, fallback_chunk=args.fallback_chunk)
-    servicer = build_servicer(args.target, args.draft or None, args.redis, args.tokenizer, cfg,
-                              args.max_new_tokens_limit, args.session_ttl_s)
+    cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
+                     adaptive_draft_len=args.adaptive_draft_len, fallback_chunk=args.fallback_chunk,
+                     draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
+                     target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)
+    tokens = []
+    if args.auth_tokens_file:
+        with open(args.auth_tokens_file) as f:
+            tokens = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
+                              args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
+                              breaker_open_s=args.breaker_open_s)
     server = build_server(servicer, args.listen).start()
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

@@ -40,6 +40,7 @@ class SessionRecord:
     finish_reason: int = 0
     target_pos: int = 0
     draft_pos: int = 0
+    draft_replica: str = ""  # the draft replica holding this session's cache (draft_pos refers to it)
     step: int = 0
     stats: dict = field(default_factory=dict)
 
@@ -53,6 +54,7 @@ class SessionRecord:
             "finish_reason": self.finish_reason,
             "target_pos": self.target_pos,
             "draft_pos": self.draft_pos,
+            "draft_replica": self.draft_replica,
             "step": self.step,
             "stats": json.dumps(self.stats),
             "updated": time.time(),
@@ -143,6 +145,7 @@ class RedisSessionStore:
             finish_reason=int(h["finish_reason"]),
             target_pos=int(h["target_pos"]),
             draft_pos=int(h["draft_pos"]),
+            draft_replica=h.get("draft_replica", b"").decode(),
             step=int(h["step"]),
             stats=json.loads(h["stats"]),
         )

@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec import telemetry
+
 log = logging.getLogger("specdec.grpc")
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a request past this gets RESOURCE_EXHAUSTED from grpc itself
@@ -63,7 +65,8 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
     options = list(CHANNEL_OPTIONS)
     if retries and service_names:
         options.append(("grpc.service_config", retry_service_config(service_names)))
-    return grpc.insecure_channel(address, options=options)
+    # Client spans + W3C traceparent propagation (specdec.telemetry).
+    return telemetry.intercept_channel(grpc.insecure_channel(address, options=options), address)
 
 
 class ServiceServer:
@@ -74,6 +77,7 @@ class ServiceServer:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=max_workers * 4,
+            interceptors=[telemetry.server_interceptor()],  # server spans from the caller's traceparent
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1,8 +1,25 @@
-"""Structured logs, OpenTelemetry traces and metrics, and process lifecycle helpers for every service."""
+"""Structured logs, OpenTelemetry traces and metrics, and process lifecycle helpers for every service.
+
+Traces
+  Every gRPC server (``ServiceServer``) and client channel (``make_channel``) carries the interceptors
+  defined here: a client span per call that injects a W3C ``traceparent`` into the call's metadata, and
+  a server span per call, the child of the caller's span. One ``Generate`` is therefore one trace:
+  client -> orchestrator -> {draft, target} -> Redis. Streaming RPCs are traced for their whole life.
+
+Metrics
+  Instruments are created on first use; the SDK meter provider (see :func:`setup`) always has an
+  in-process reader (:func:`snapshot`) and a Prometheus reader (served by :func:`start_metrics_server`
+  when ``SPECDEC_METRICS_PORT`` or ``setup(metrics_port=...)`` asks), plus OTLP export when
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set. Names follow the OpenTelemetry gen_ai and rpc semantic
+  conventions where they exist, ``specdec.*`` otherwise; docs/observability.md lists them.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import contextvars
+import functools
 import json
 import logging
 import os
@@ -10,11 +27,17 @@ import signal
 import sys
 import threading
 import time
+import weakref
+from typing import Callable
 
-from opentelemetry import metrics, trace
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 _SERVICE = "specdec"
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+log = logging.getLogger("specdec.telemetry")
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,70 +53,302 @@ class JsonFormatter(logging.Formatter):
         span_ctx = trace.get_current_span().get_span_context()
         if span_ctx.is_valid:
             out["trace_id"] = format(span_ctx.trace_id, "032x")
+            out["span_id"] = format(span_ctx.span_id, "016x")
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
 
 
-def setup(service_name: str, level: str | None = None) -> None:
-    """JSON logs on stderr; OTLP export of traces and metrics when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+# --------------------------------------------------------------------------------------------
+# Providers
+# --------------------------------------------------------------------------------------------
+
+_providers_lock = threading.RLock()
+_tracer_provider = None   # the SDK TracerProvider this process uses
+_meter_provider = None    # the SDK MeterProvider this process uses (None if someone else set one)
+_memory_reader = None     # InMemoryMetricReader behind snapshot()
+_prom_registry = None     # prometheus_client CollectorRegistry fed by the PrometheusMetricReader
+_metrics_server = None    # (httpd, thread, port) of the /metrics endpoint
+
+
+def setup(service_name: str, level: str | None = None, metrics_port: int | str | None = None,
+          configure_logging: bool = True) -> None:
+    """JSON logs on stderr; SDK trace and meter providers (OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT
+    is set); a Prometheus /metrics endpoint when ``metrics_port`` or env SPECDEC_METRICS_PORT is given
+    (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 0.0.0.0)."""
     global _SERVICE
     _SERVICE = service_name
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level or os.environ.get("SPECDEC_LOG_LEVEL", "INFO"))
-    for noisy in ("httpx", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if configure_logging:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        root = logging.getLogger()
+        root.handlers[:] = [handler]
+        root.setLevel(level or os.environ.get("SPECDEC_LOG_LEVEL", "INFO"))
+        for noisy in ("httpx", "urllib3", "filelock"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    ensure_providers(service_name)
+    if metrics_port is None:
+        metrics_port = os.environ.get("SPECDEC_METRICS_PORT") or None
+    if metrics_port not in (None, ""):
+        start_metrics_server(metrics_port)
 
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
 
-    resource = Resource.create({"service.name": service_name})
-    tracer_provider = TracerProvider(resource=resource)
-    readers = []
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def ensure_providers(service_name: str | None = None) -> None:
+    """Install the SDK tracer and meter providers once per process (idempotent).
 
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-    trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
-    _init_instruments()
+    If the process already has an SDK TracerProvider (set by someone else), it is reused so that span
+    processors added with :func:`add_span_processor` still see every span."""
+    global _tracer_provider, _meter_provider, _memory_reader, _prom_registry
+    with _providers_lock:
+        if _tracer_provider is not None:
+            return
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
 
+        resource = Resource.create({"service.name": service_name or _SERVICE, "service.namespace": "specdec"})
+        otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+        current = trace.get_tracer_provider()
+        if isinstance(current, TracerProvider):
+            _tracer_provider = current
+        else:
+            _tracer_provider = TracerProvider(resource=resource)
+            if otlp:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+                _tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            trace.set_tracer_provider(_tracer_provider)
+
+        readers = []
+        _memory_reader = InMemoryMetricReader()
+        readers.append(_memory_reader)
+        try:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry, ProcessCollector
+
+            _prom_registry = CollectorRegistry(auto_describe=True)
+            ProcessCollector(registry=_prom_registry)
+            readers.append(PrometheusMetricReader(registry=_prom_registry))
+        except ImportError:  # pragma: no cover - both are project dependencies
+            _prom_registry = None
+        if otlp or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        provider = MeterProvider(resource=resource, metric_readers=readers)
+        if isinstance(metrics.get_meter_provider(), MeterProvider):
+            log.warning("a MeterProvider was set before specdec's; snapshot() and /metrics see nothing")
+            _meter_provider = None
+            _memory_reader = None
+        else:
+            metrics.set_meter_provider(provider)
+            _meter_provider = provider
+
+
+def providers_installed() -> bool:
+    """True once this process has specdec's meter provider (so snapshot() has data)."""
+    return _memory_reader is not None
+
+
+def tracer_provider():
+    """The process's SDK TracerProvider (installed on demand)."""
+    ensure_providers()
+    return _tracer_provider
+
+
+def add_span_processor(processor) -> None:
+    """Add a span processor (e.g. SimpleSpanProcessor(InMemorySpanExporter()) in tests)."""
+    tracer_provider().add_span_processor(processor)
+
+
+def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
+    """Serve Prometheus text format at http://HOST:PORT/metrics; returns the bound port (0 = any free one).
+    A second call returns the running server's port."""
+    global _metrics_server
+    ensure_providers()
+    if _prom_registry is None:
+        raise RuntimeError("prometheus exporter unavailable (opentelemetry-exporter-prometheus not installed)")
+    with _providers_lock:
+        if _metrics_server is not None:
+            return _metrics_server[2]
+        spec = str(port)
+        if ":" in spec:
+            host, spec = spec.rsplit(":", 1)
+        host = host or os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
+        from prometheus_client import start_http_server
+
+        httpd, thread = start_http_server(int(spec), addr=host, registry=_prom_registry)
+        bound = httpd.server_address[1]
+        _metrics_server = (httpd, thread, bound)
+        log.info("metrics endpoint", extra={"address": f"{host}:{bound}", "path": "/metrics"})
+        return bound
+
+
+def metrics_port() -> int | None:
+    return _metrics_server[2] if _metrics_server else None
+
+
+def stop_metrics_server() -> None:
+    global _metrics_server
+    with _providers_lock:
+        if _metrics_server is not None:
+            httpd, thread, _ = _metrics_server
+            httpd.shutdown()
+            httpd.server_close()
+            _metrics_server = None
+
+
+def snapshot() -> dict:
+    """Current metric values of this process: {name: {"unit", "kind", "value", "points": [...]}}.
+
+    ``value`` sums the points (counters, gauges) or is the total observation count (histograms, which
+    also carry ``sum``). Each point has its ``attributes`` and ``value`` or ``count``/``sum``/``min``/
+    ``max``/``bucket_counts``/``explicit_bounds``."""
+    ensure_providers()
+    if _memory_reader is None:
+        return {}
+    data = _memory_reader.get_metrics_data()
+    out: dict = {}
+    if data is None:
+        return out
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                entry = out.setdefault(m.name, {"unit": m.unit, "description": m.description,
+                                                "kind": type(m.data).__name__.lower(), "points": []})
+                for p in m.data.data_points:
+                    attrs = dict(p.attributes or {})
+                    if hasattr(p, "bucket_counts"):
+                        entry["points"].append({"attributes": attrs, "count": p.count, "sum": p.sum, "min": p.min,
+                                                "max": p.max, "bucket_counts": list(p.bucket_counts),
+                                                "explicit_bounds": list(p.explicit_bounds)})
+                    else:
+                        entry["points"].append({"attributes": attrs, "value": p.value})
+    for entry in out.values():
+        pts = entry["points"]
+        if entry["kind"] == "histogram":
+            entry["value"] = sum(p["count"] for p in pts)
+            entry["sum"] = sum(p["sum"] for p in pts)
+        else:
+            entry["value"] = sum(p["value"] for p in pts)
+    return out
+
+
+def metric_value(snap: dict, name: str, **attributes) -> float:
+    """Sum (or histogram count) of ``name`` in a snapshot over the points matching ``attributes``."""
+    entry = snap.get(name)
+    if not entry:
+        return 0
+    total = 0
+    for p in entry["points"]:
+        if all(p["attributes"].get(k) == v for k, v in attributes.items()):
+            total += p.get("count", p.get("value", 0))
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Metric instruments
+# --------------------------------------------------------------------------------------------
+
+# Bucket boundaries (seconds / tokens) from the gen_ai semantic conventions where they define them.
+_LATENCY_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_REQUEST_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+_TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_TPOT_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
 _instruments: dict = {}
+_instruments_lock = threading.Lock()
+_OUTPUT = {"gen_ai.token.type": "output"}
+
+# Acceptance over the last verify steps this process saw (the target service records them).
+_ACCEPT_WINDOW = 1000
+_accept_window: collections.deque = collections.deque(maxlen=_ACCEPT_WINDOW)
 
 
 def _init_instruments() -> None:
-    meter = metrics.get_meter("specdec")
-    _instruments["draft_tokens"] = meter.create_counter("specdec.draft.tokens", unit="{token}", description="draft tokens proposed")
-    _instruments["accepted_tokens"] = meter.create_counter("specdec.draft.accepted_tokens", unit="{token}", description="draft tokens accepted")
-    _instruments["verify_latency"] = meter.create_histogram("specdec.verify.duration", unit="ms", description="target verify forward + sampling")
-    _instruments["draft_latency"] = meter.create_histogram("specdec.draft.duration", unit="ms", description="draft propose time")
-    _instruments["fallback_steps"] = meter.create_counter("specdec.fallback.steps", unit="{step}", description="target-only steps taken because the draft failed")
-    _instruments["generated_tokens"] = meter.create_counter("gen_ai.client.token.usage", unit="{token}", description="tokens generated")
+    with _instruments_lock:
+        if _instruments:
+            return
+        m = metrics.get_meter("specdec")
+        i = {}
+        # target service: verification
+        i["draft_tokens"] = m.create_counter(
+            "specdec.draft.tokens", unit="{token}", description="draft tokens sent to verification")
+        i["accepted_tokens"] = m.create_counter(
+            "specdec.draft.accepted_tokens", unit="{token}", description="draft tokens accepted by the target")
+        i["verify_latency"] = m.create_histogram(
+            "specdec.verify.duration", unit="s", description="target verify: one forward over the draft block + acceptance",
+            explicit_bucket_boundaries_advisory=_LATENCY_S)
+        m.create_observable_gauge(
+            "specdec.draft.acceptance_rate", callbacks=[_observe_acceptance], unit="1",
+            description=f"accepted / proposed draft tokens over the last {_ACCEPT_WINDOW} verify steps of this process")
+        # draft service
+        i["draft_latency"] = m.create_histogram(
+            "specdec.draft.duration", unit="s", description="draft propose time inside the draft service",
+            explicit_bucket_boundaries_advisory=_LATENCY_S)
+        # orchestrator
+        i["fallback_steps"] = m.create_counter(
+            "specdec.fallback.steps", unit="{step}", description="target-only steps taken because the draft failed")
+        i["generated_tokens"] = m.create_counter(
+            "specdec.generated_tokens", unit="{token}", description="tokens committed to sessions")
+        i["active_sessions"] = m.create_up_down_counter(
+            "specdec.sessions.active", unit="{session}", description="Generate streams in progress")
+        i["token_usage"] = m.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}",
+            description="input and output tokens per Generate request (gen_ai.token.type)",
+            explicit_bucket_boundaries_advisory=_TOKENS)
+        i["request_duration"] = m.create_histogram(
+            "gen_ai.server.request.duration", unit="s", description="Generate request duration, first byte to last",
+            explicit_bucket_boundaries_advisory=_REQUEST_S)
+        i["ttft"] = m.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s", description="time to the first generated token",
+            explicit_bucket_boundaries_advisory=_TTFT_S)
+        i["tpot"] = m.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s",
+            description="time per output token after the first, per successful request",
+            explicit_bucket_boundaries_advisory=_TPOT_S)
+        # every service: RPCs
+        i["rpc_server"] = m.create_histogram(
+            "rpc.server.call.duration", unit="s", description="gRPC server call duration",
+            explicit_bucket_boundaries_advisory=_LATENCY_S)
+        i["rpc_client"] = m.create_histogram(
+            "rpc.client.call.duration", unit="s", description="gRPC client call duration (includes the network)",
+            explicit_bucket_boundaries_advisory=_LATENCY_S)
+        _instruments.update(i)
 
 
 def _instrument(name: str):
-    if not _instruments:
+    inst = _instruments.get(name)
+    if inst is None:
         _init_instruments()
-    return _instruments[name]
+        inst = _instruments[name]
+    return inst
+
+
+def _observe_acceptance(options):
+    from opentelemetry.metrics import Observation
+
+    steps = list(_accept_window)
+    proposed = sum(p for p, _ in steps)
+    if proposed:
+        yield Observation(sum(a for _, a in steps) / proposed)
 
 
 def record_verify(proposed: int, accepted: int, ms: float) -> None:
+    """One verify step: ``proposed`` draft tokens, the first ``accepted`` of them accepted, in ``ms``."""
     _instrument("draft_tokens").add(proposed)
-    _instrument("accepted_tokens").add(accepted)
-    _instrument("verify_latency").record(ms)
+    _instruments["accepted_tokens"].add(accepted)
+    _instruments["verify_latency"].record(ms / 1e3)
+    _accept_window.append((proposed, accepted))
 
 
 def record_draft(ms: float) -> None:
-    _instrument("draft_latency").record(ms)
+    _instrument("draft_latency").record(ms / 1e3)
 
 
 def record_fallback(steps: int = 1) -> None:
@@ -101,14 +356,425 @@ def record_fallback(steps: int = 1) -> None:
 
 
 def record_generated(tokens: int) -> None:
-    _instrument("generated_tokens").add(tokens, {"gen_ai.token.type": "output"})
+    if tokens:
+        _instrument("generated_tokens").add(tokens)
+
+
+_gen_ai_attrs = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "specdec"}
+
+
+def set_gen_ai_model(model_name: str) -> None:
+    """Tag the gen_ai.* request metrics with gen_ai.request.model (the orchestrator's target model)."""
+    _gen_ai_attrs["gen_ai.request.model"] = model_name
+
+
+class _Gauge:
+    def __init__(self, name: str, unit: str, description: str):
+        self.callbacks: list = []  # (getter, attributes)
+        self.lock = threading.Lock()
+        metrics.get_meter("specdec").create_observable_gauge(name, callbacks=[self._observe], unit=unit,
+                                                             description=description)
+
+    def _observe(self, options):
+        from opentelemetry.metrics import Observation
+
+        with self.lock:
+            entries = list(self.callbacks)
+        dead = []
+        for entry in entries:
+            getter, attrs = entry
+            fn = getter()
+            if fn is None:
+                dead.append(entry)
+                continue
+            try:
+                value = fn()
+            except Exception:  # noqa: BLE001 - a broken callback must not break the export
+                log.debug("gauge callback failed", exc_info=True)
+                continue
+            if value is None:
+                continue
+            if isinstance(value, (int, float)):
+                yield Observation(value, attrs)
+            else:  # iterable of (value, attributes)
+                for v, a in value:
+                    yield Observation(v, {**(attrs or {}), **(a or {})})
+        if dead:
+            with self.lock:
+                self.callbacks = [e for e in self.callbacks if e not in dead]
+
+
+_gauges: dict[str, _Gauge] = {}
+_gauges_lock = threading.Lock()
+
+
+def register_gauge(name: str, callback: Callable[[], object], unit: str = "", description: str = "",
+                   attributes: dict | None = None) -> Callable[[], None]:
+    """Report ``callback()`` as observable gauge ``name`` at every collection; returns an unregister function.
+
+    The callback returns a number, None (no value now) or an iterable of (value, attributes). Several
+    callbacks may share a name (e.g. the target's and the draft's KV cache in one process): give each
+    distinct ``attributes``. A bound method is held weakly (it goes away with its object)."""
+    with _gauges_lock:
+        gauge = _gauges.get(name)
+        if gauge is None:
+            gauge = _gauges[name] = _Gauge(name, unit, description)
+    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
+        getter = weakref.WeakMethod(callback)
+    else:
+        getter = (lambda cb: (lambda: cb))(callback)
+    entry = (getter, dict(attributes or {}))
+    with gauge.lock:
+        gauge.callbacks.append(entry)
+
+    def unregister() -> None:
+        with gauge.lock:
+            gauge.callbacks = [e for e in gauge.callbacks if e is not entry]
+
+    return unregister
+
+
+# --------------------------------------------------------------------------------------------
+# Spans
+# --------------------------------------------------------------------------------------------
+
+_tracer = trace.get_tracer("specdec")  # a proxy until a provider is set; cheap to keep
 
 
 @contextlib.contextmanager
 def span(name: str, **attributes):
-    tracer = trace.get_tracer("specdec")
-    with tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items() if v is not None}) as s:
+    with _tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items() if v is not None}) as s:
         yield s
+
+
+REDIS = {"db.system.name": "redis"}
+
+
+class traced:
+    """A span around a block or a function: ``with traced("x"):`` or ``@traced("redis.commit", REDIS)``.
+
+    Attributes with a ``db.system.name`` make a CLIENT span (a call out of the process)."""
+
+    def __init__(self, name: str, attributes: dict | None = None, kind: SpanKind | None = None):
+        self.name = name
+        self.attributes = dict(attributes or {})
+        self.kind = kind or (SpanKind.CLIENT if "db.system.name" in self.attributes else SpanKind.INTERNAL)
+        self._local = threading.local()
+
+    def _cm(self):
+        return _tracer.start_as_current_span(self.name, kind=self.kind, attributes=self.attributes)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self._cm():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self):
+        cm = self._cm()
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._local.stack.pop().__exit__(*exc)
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC interceptors: W3C trace context through metadata, a span and a duration per call
+# --------------------------------------------------------------------------------------------
+
+# Server spans with these statuses are errors (OTel rpc semantic conventions); a client sees any non-OK.
+_SERVER_ERROR_CODES = {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+_UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.")
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service, method
+
+
+def _rpc_attrs(full_method: str) -> dict:
+    service, method = _split_method(full_method)
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+
+def _untraced(full_method: str) -> bool:
+    return full_method.lstrip("/").startswith(_UNTRACED_SERVICES)
+
+
+class _MetadataGetter:
+    def get(self, carrier, key):
+        v = carrier.get(key)
+        return None if v is None else [v]
+
+    def keys(self, carrier):
+        return list(carrier)
+
+
+_getter = _MetadataGetter()
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+def _client_call_details(details, metadata) -> _CallDetails:
+    return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                        getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+
+
+def client_interceptor(address: str = ""):
+    """A grpc client interceptor: a CLIENT span per call, its context injected as traceparent metadata."""
+    host, _, port = address.rpartition(":")
+    peer = {"server.address": host or address}
+    if port.isdigit():
+        peer["server.port"] = int(port)
+
+    class ClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+        def _start(self, details):
+            method = details.method if isinstance(details.method, str) else details.method.decode()
+            if _untraced(method):
+                return None, details, None, None
+            attrs = _rpc_attrs(method)
+            s = _tracer.start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes={**attrs, **peer})
+            metadata = list(details.metadata or ())
+            carrier: dict = {}
+            propagate.inject(carrier, context=trace.set_span_in_context(s))
+            metadata.extend(carrier.items())
+            return s, _client_call_details(details, metadata), attrs, time.perf_counter()
+
+        def _intercept(self, continuation, details, request):
+            s, details, attrs, t0 = self._start(details)
+            if s is None:
+                return continuation(details, request)
+            try:
+                call = continuation(details, request)
+            except BaseException as e:
+                s.record_exception(e)
+                s.set_status(Status(StatusCode.ERROR, type(e).__name__))
+                s.end()
+                raise
+            done = threading.Event()
+
+            def finish(fut):
+                if done.is_set():
+                    return
+                done.set()
+                try:
+                    code = fut.code()
+                except Exception:  # noqa: BLE001
+                    code = None
+                name = code.name if code is not None else "UNKNOWN"
+                s.set_attribute("rpc.grpc.status_code", code.value[0] if code is not None else 2)
+                if name != "OK":
+                    s.set_status(Status(StatusCode.ERROR, name))
+                s.end()
+                _instrument("rpc_client").record(time.perf_counter() - t0, {**attrs, "rpc.grpc.status_code": name})
+
+            try:
+                call.add_done_callback(finish)
+            except Exception:  # noqa: BLE001 - not a future: end now
+                s.end()
+            return call
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return self._intercept(continuation, details, request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return self._intercept(continuation, details, request)
+
+        def intercept_stream_unary(self, continuation, details, request_iterator):
+            return self._intercept(continuation, details, request_iterator)
+
+        def intercept_stream_stream(self, continuation, details, request_iterator):
+            return self._intercept(continuation, details, request_iterator)
+
+    return ClientInterceptor()
+
+
+def intercept_channel(channel, address: str = ""):
+    return grpc.intercept_channel(channel, client_interceptor(address))
+
+
+class _GenerateObserver:
+    """gen_ai request metrics and the active-session count for one Orchestrator.Generate stream."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.first = None
+        self.output = 0
+        self.prompt = None
+        _instrument("active_sessions").add(1)
+
+    def on_message(self, msg) -> None:
+        n = len(msg.token_ids)
+        if n:
+            if self.first is None:
+                self.first = time.perf_counter()
+                _instruments["ttft"].record(self.first - self.t0, _gen_ai_attrs)
+            self.output += n
+        if msg.HasField("stats"):
+            self.prompt = msg.stats.prompt_tokens
+
+    def on_end(self, code_name: str) -> None:
+        _instruments["active_sessions"].add(-1)
+        now = time.perf_counter()
+        attrs = dict(_gen_ai_attrs)
+        if code_name != "OK":
+            attrs["error.type"] = code_name
+        _instruments["request_duration"].record(now - self.t0, attrs)
+        if code_name != "OK":
+            return
+        if self.prompt is not None:
+            _instruments["token_usage"].record(self.prompt, {**_gen_ai_attrs, "gen_ai.token.type": "input"})
+        _instruments["token_usage"].record(self.output, {**_gen_ai_attrs, **_OUTPUT})
+        if self.first is not None and self.output > 1:
+            _instruments["tpot"].record((now - self.first) / (self.output - 1), _gen_ai_attrs)
+
+
+# Full method -> factory of a per-stream observer with on_message(msg) and on_end(status name).
+STREAM_OBSERVERS: dict[str, Callable[[], object]] = {"/specdec.v1.Orchestrator/Generate": _GenerateObserver}
+
+
+def _code_name(context) -> str:
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001
+        code = None
+    if code is None:
+        return "OK"
+    return code.name if hasattr(code, "name") else str(code)
+
+
+def server_interceptor():
+    """A grpc server interceptor: a SERVER span per call, the child of the caller's traceparent."""
+    class ServerInterceptor(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, handler_call_details):
+            handler = continuation(handler_call_details)
+            method = handler_call_details.method
+            if handler is None or _untraced(method):
+                return handler
+            attrs = _rpc_attrs(method)
+            name = method.lstrip("/")
+            observer_factory = STREAM_OBSERVERS.get(method)
+
+            def start(context):
+                carrier = {}
+                for md in context.invocation_metadata() or ():
+                    carrier[md.key] = md.value
+                parent = propagate.extract(carrier, getter=_getter)
+                s = _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
+                return s, trace.set_span_in_context(s, parent), time.perf_counter()
+
+            def finish(s, t0, context, exc=None, cancelled=False):
+                code = _code_name(context)
+                if code == "OK" and exc is not None:
+                    code = "UNKNOWN"  # an exception grpc will turn into UNKNOWN
+                elif code == "OK" and cancelled:
+                    code = "CANCELLED"
+                s.set_attribute("rpc.grpc.status_code", getattr(grpc.StatusCode, code).value[0]
+                                if hasattr(grpc.StatusCode, code) else 2)
+                if code in _SERVER_ERROR_CODES:
+                    s.set_status(Status(StatusCode.ERROR, code))
+                    if exc is not None and type(exc) is not Exception:  # a bare Exception is grpc's abort
+                        s.record_exception(exc)
+                s.end()
+                _instrument("rpc_server").record(time.perf_counter() - t0, {**attrs, "rpc.grpc.status_code": code})
+                return code
+
+            def wrap_unary(behavior):
+                def wrapper(request, context):
+                    s, ctx, t0 = start(context)
+                    token = otel_context.attach(ctx)
+                    try:
+                        result = behavior(request, context)
+                    except BaseException as e:
+                        otel_context.detach(token)
+                        finish(s, t0, context, e)
+                        raise
+                    otel_context.detach(token)
+                    finish(s, t0, context)
+                    return result
+
+                return wrapper
+
+            def wrap_stream(behavior):
+                def wrapper(request, context):
+                    s, ctx, t0 = start(context)
+                    observer = observer_factory() if observer_factory else None
+                    lock = threading.Lock()
+                    state = {"done": False}
+
+                    def end(exc=None, cancelled=False):
+                        with lock:
+                            if state["done"]:
+                                return
+                            state["done"] = True
+                        code = finish(s, t0, context, exc, cancelled)
+                        if observer is not None:
+                            observer.on_end(code)
+
+                    # The handler generator runs in its own contextvars.Context, so the span context
+                    # (and the handler's own spans) survive across yields, whatever thread resumes it.
+                    run_ctx = contextvars.copy_context()
+                    run_ctx.run(otel_context.attach, ctx)
+                    # A cancelled stream is never resumed: end the span when the RPC terminates.
+                    context.add_callback(lambda: end(cancelled=True))
+                    it = None
+                    try:
+                        it = run_ctx.run(lambda: iter(behavior(request, context)))
+                        while True:
+                            try:
+                                msg = run_ctx.run(next, it)
+                            except StopIteration:
+                                break
+                            if observer is not None:
+                                observer.on_message(msg)
+                            yield msg
+                    except GeneratorExit:
+                        end(cancelled=True)
+                        raise
+                    except BaseException as e:
+                        end(e)
+                        raise
+                    finally:
+                        close = getattr(it, "close", None)
+                        if close is not None:
+                            with contextlib.suppress(Exception):
+                                run_ctx.run(close)
+                    end()
+
+                return wrapper
+
+            def wrap_stream_unary(behavior):
+                return wrap_unary(behavior)
+
+            if handler.request_streaming and handler.response_streaming:
+                return grpc.stream_stream_rpc_method_handler(
+                    wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+            if handler.request_streaming:
+                return grpc.stream_unary_rpc_method_handler(
+                    wrap_stream_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+            if handler.response_streaming:
+                return grpc.unary_stream_rpc_method_handler(
+                    wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+
+    return ServerInterceptor()
+
+
+# --------------------------------------------------------------------------------------------
+# Process lifecycle
+# --------------------------------------------------------------------------------------------
 
 
 def ready(address: str) -> None:
@@ -129,4 +795,10 @@ def wait_for_signal(server, grace: float = 2.0) -> None:
         stop.wait(0.5)
     logging.getLogger("specdec").info("shutting down")
     server.stop(grace)
+    if _tracer_provider is not None:
+        with contextlib.suppress(Exception):
+            _tracer_provider.force_flush(2000)
+    if _meter_provider is not None:
+        with contextlib.suppress(Exception):
+            _meter_provider.force_flush(2000)
     time.sleep(0.05)

@@ -9,7 +9,8 @@ from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import build_server as build_draft_server
 from orchestrator.generation import LoopConfig
 from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
-from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.clients import TargetClient
+from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import open_store
 from specdec.client import SpecdecClient
 from specdec.kv_cache import SessionCacheStore
@@ -51,6 +52,8 @@ class Stack:
 
     def stop(self):
         self.client.close()
+        if self.servicer.pool is not None:
+            self.servicer.pool.close()
         for s in (self.orchestrator_server, self.draft_server, self.target_server):
             if s is not None:
                 s.stop(0)
@@ -58,7 +61,7 @@ class Stack:
 
 def start_stack(redis_url: str, target: str = TARGET, draft: str | None = "ngram", draft_len: int = 4,
                 target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
-                max_new_tokens_limit: int = 512) -> Stack:
+                max_new_tokens_limit: int = 512, **servicer_kwargs) -> Stack:
     tl = model(target)
     engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions))
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
@@ -74,11 +77,13 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | None = "ngram
         dsrv = build_draft_server(proposer, info, "127.0.0.1:0").start()
     target_client = TargetClient(tsrv.address)
     target_info = target_client.info()
-    draft_client = DraftClient(dsrv.address) if dsrv else None
-    if draft_client:
-        check_compatible(target_info, draft_client.info())
-    cfg = cfg or LoopConfig(default_draft_len=draft_len)
-    servicer = OrchestratorServicer(target_client, draft_client, open_store(redis_url), tl.tokenizer, target_info,
-                                    cfg, max_new_tokens_limit=max_new_tokens_limit)
+    pool = None
+    if dsrv:
+        pool = DraftPool([dsrv.address])
+        check_compatible(target_info, pool.replicas[0].client.info())
+    # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.
+    cfg = cfg or LoopConfig(default_draft_len=draft_len, draft_timeout_floor_ms=5000)
+    servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,
+                                    cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs)
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
     return Stack(tsrv, dsrv, osrv, servicer, engine, proposer, SpecdecClient(osrv.address, timeout_s=120))

@@ -1,0 +1,38 @@
+"""Orchestrator-side metrics (OpenTelemetry API; exported by whatever telemetry.setup configured)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from opentelemetry import metrics
+
+
+@lru_cache(maxsize=1)
+def _instruments():
+    meter = metrics.get_meter("specdec.orchestrator")
+    return {
+        "failures": meter.create_counter("specdec.draft.failures", unit="{failure}",
+                                         description="draft calls that failed, by kind"),
+        "accepted_at": meter.create_counter("specdec.draft.accepted_by_position", unit="{token}",
+                                            description="draft tokens accepted, by position in the block"),
+        "proposed_at": meter.create_counter("specdec.draft.proposed_by_position", unit="{token}",
+                                            description="draft tokens proposed, by position in the block"),
+        "failovers": meter.create_counter("specdec.draft.replica_failovers", unit="{failover}",
+                                          description="sessions moved to another draft replica"),
+    }
+
+
+def record_draft_failure(kind: str) -> None:
+    _instruments()["failures"].add(1, {"kind": kind})
+
+
+def record_acceptance(proposed: int, accepted: int) -> None:
+    ins = _instruments()
+    for pos in range(proposed):
+        ins["proposed_at"].add(1, {"position": pos})
+        if pos < accepted:
+            ins["accepted_at"].add(1, {"position": pos})
+
+
+def record_failover() -> None:
+    _instruments()["failovers"].add(1)
