@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import time
 
 import grpc
 
 from draft_service.proposers.base import Proposer
 from specdec import telemetry, wire
-from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, info: common_pb2.ModelInfo, max_draft_len: int = 16):
+    def __init__(self, proposer: Proposer, info: common_pb2.ModelInfo, max_draft_len: int = 16,
+                 inject_latency_ms: float = 0.0):
         self.proposer = proposer
         self.info = info
         self.max_draft_len = max_draft_len
+        # Fault injection for chaos tests: extra latency per Propose (toggled by SIGUSR1 in `serve`).
+        self.inject_latency_ms = inject_latency_ms
+        self.latency_enabled = inject_latency_ms > 0
 
     @handle_errors
     def Propose(self, request, context):
@@ -28,9 +34,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         delta = wire.check_token_ids(request.delta.tokens, self.proposer.vocab_size, "delta")
         if not 1 <= request.max_draft_len <= self.max_draft_len:
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_draft_len must be in 1..{self.max_draft_len}")
+        if self.latency_enabled:
+            time.sleep(self.inject_latency_ms / 1e3)
         with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
-            import time
-
             t0 = time.perf_counter()
             proposal = self.proposer.get_candidates(
                 sid, request.delta.prefix_len, delta, request.max_draft_len, params,
@@ -83,11 +89,13 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     return ModelProposer(loaded, store), info
 
 
-def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8) -> ServiceServer:
+def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8,
+                 inject_latency_ms: float = 0.0) -> ServiceServer:
     server = ServiceServer(address, max_workers=max_workers)
+    server.servicer = DraftServicer(proposer, info, inject_latency_ms=inject_latency_ms)
     server.add(
         draft_pb2_grpc.add_DraftServiceServicer_to_server,
-        DraftServicer(proposer, info),
+        server.servicer,
         draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
     )
     return server
@@ -103,15 +111,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-cache-mb", type=int, default=2048)
+    p.add_argument("--inject-latency-ms", type=float, default=0.0,
+                   help="fault injection: delay every Propose (SIGUSR1 toggles it on/off)")
+    add_tls_arguments(p)
 
 
 def serve(args: argparse.Namespace) -> None:
     import torch
 
     telemetry.setup("specdec-draft")
+    configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb)
-    server = build_server(proposer, info, args.listen).start()
+    server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
+    if args.inject_latency_ms > 0:
+        def _toggle(signum, frame):
+            server.servicer.latency_enabled = not server.servicer.latency_enabled
+            log.warning("injected latency toggled", extra={"enabled": server.servicer.latency_enabled})
+
+        signal.signal(signal.SIGUSR1, _toggle)
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

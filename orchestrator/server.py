@@ -17,7 +17,7 @@ from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig, stats_message
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
-from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors
+from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -292,8 +292,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                                 max_active_sessions=max_active_sessions, auth_tokens=auth_tokens)
 
 
-def build_server(servicer: OrchestratorServicer, address: str, max_workers: int = 32) -> ServiceServer:
-    server = ServiceServer(address, max_workers=max_workers)
+def build_server(servicer: OrchestratorServicer, address: str, max_workers: int = 32, tls=None) -> ServiceServer:
+    server = ServiceServer(address, max_workers=max_workers, tls=tls)
     server.add(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
                opb.DESCRIPTOR.services_by_name["Orchestrator"].full_name)
     return server
@@ -320,10 +320,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
     p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
                    help="file with one bearer token per line; when set, the public API requires one")
+    add_tls_arguments(p)
+    p.add_argument("--tls-public-no-client-cert", action="store_true",
+                   help="public API over TLS without client certificates (bearer tokens authenticate instead)")
 
 
 def serve(args: argparse.Namespace) -> None:
     telemetry.setup("specdec-orchestrator")
+    configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
@@ -335,6 +339,7 @@ def serve(args: argparse.Namespace) -> None:
     servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
                               breaker_open_s=args.breaker_open_s)
-    server = build_server(servicer, args.listen).start()
+    public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
+    server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

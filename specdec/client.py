@@ -49,11 +49,12 @@ def _stats_dict(stats: opb.GenerationStats) -> dict:
 
 
 class SpecdecClient:
-    def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0, token: str | None = None):
+    def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0, token: str | None = None,
+                 tls=None):
         self.address = address
         self.timeout_s = timeout_s
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
-        self.channel = make_channel(address)
+        self.channel = make_channel(address, tls=tls)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 
     def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,

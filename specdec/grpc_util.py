@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 import logging
 from concurrent import futures
 from typing import Callable, Iterable
@@ -61,18 +63,74 @@ def retry_service_config(service_names: Iterable[str]) -> str:
     )
 
 
-def make_channel(address: str, service_names: Iterable[str] = (), retries: bool = True) -> grpc.Channel:
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM files. A server with `ca` requires client certificates signed by it (mutual TLS); a client
+    verifies servers with `ca` and presents cert/key when given."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    require_client_cert: bool = True
+
+    @staticmethod
+    def _read(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not (self.cert and self.key):
+            raise ValueError("TLS on a server needs --tls-cert and --tls-key")
+        ca = self._read(self.ca)
+        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))], root_certificates=ca,
+                                           require_client_auth=bool(ca) and self.require_client_cert)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca), private_key=self._read(self.key),
+                                            certificate_chain=self._read(self.cert))
+
+
+_tls: TlsConfig | None = None  # process-wide: one service identity per process
+
+
+def configure_tls(tls: TlsConfig | None) -> None:
+    global _tls
+    _tls = tls if tls and (tls.cert or tls.ca) else None
+
+
+def add_tls_arguments(p) -> None:
+    p.add_argument("--tls-cert", default=os.environ.get("SPECDEC_TLS_CERT"), help="PEM certificate (enables TLS)")
+    p.add_argument("--tls-key", default=os.environ.get("SPECDEC_TLS_KEY"), help="PEM private key")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
+                   help="PEM CA: verify peers with it; servers then require client certificates (mTLS)")
+
+
+def tls_from_args(args, require_client_cert: bool = True) -> TlsConfig | None:
+    if not (args.tls_cert or args.tls_ca):
+        return None
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, require_client_cert)
+
+
+def make_channel(address: str, service_names: Iterable[str] = (), retries: bool = True,
+                 tls: TlsConfig | None = None) -> grpc.Channel:
     options = list(CHANNEL_OPTIONS)
     if retries and service_names:
         options.append(("grpc.service_config", retry_service_config(service_names)))
+    tls = tls or _tls
+    if tls is not None:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
     # Client spans + W3C traceparent propagation (specdec.telemetry).
-    return telemetry.intercept_channel(grpc.insecure_channel(address, options=options), address)
+    return telemetry.intercept_channel(channel, address)
 
 
 class ServiceServer:
     """A grpc.Server with health checking and reflection, serving one or more services."""
 
-    def __init__(self, address: str, max_workers: int = 16):
+    def __init__(self, address: str, max_workers: int = 16, tls: TlsConfig | None = None):
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=SERVER_OPTIONS,
@@ -82,7 +140,11 @@ class ServiceServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        self.port = self.server.add_insecure_port(address)
+        tls = tls or _tls
+        if tls is not None:
+            self.port = self.server.add_secure_port(address, tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
         host = address.rsplit(":", 1)[0]
@@ -110,7 +172,7 @@ class ServiceServer:
 
 
 def check_health(address: str, timeout: float = 1.0, service: str = "") -> bool:
-    channel = grpc.insecure_channel(address)
+    channel = make_channel(address)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -28,6 +28,9 @@ class ServiceProcess:
         self._ready = threading.Event()
 
     def start(self) -> "ServiceProcess":
+        if self.address:  # a restart keeps the address, so clients and the orchestrator find it again
+            i = self.args.index("--listen")
+            self.args[i + 1] = self.address
         self._ready.clear()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *self.args],
@@ -74,6 +77,11 @@ class ServiceProcess:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def restart(self, timeout: float = 120.0) -> str:
+        self.stop()
+        self.start()
+        return self.wait_ready(timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

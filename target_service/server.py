@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from specdec import telemetry, wire
-from specdec.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.kv_cache import SessionCacheStore
 from specdec.models import DEFAULT_TARGET, load_model
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -109,12 +109,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
     p.add_argument("--max-cache-mb", type=int, default=4096, help="KV cache bytes kept (LRU)")
     p.add_argument("--max-draft-len", type=int, default=16)
+    add_tls_arguments(p)
 
 
 def serve(args: argparse.Namespace) -> None:
     import torch
 
     telemetry.setup("specdec-target")
+    configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)

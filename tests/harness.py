@@ -43,47 +43,60 @@ def model_info(loaded, strategy: str) -> common_pb2.ModelInfo:
 @dataclass
 class Stack:
     target_server: object
-    draft_server: object | None
+    draft_servers: list
     orchestrator_server: object
     servicer: OrchestratorServicer
     target_engine: TargetEngine
-    proposer: object | None
     client: SpecdecClient
+
+    @property
+    def draft_server(self):
+        return self.draft_servers[0] if self.draft_servers else None
+
+    @property
+    def proposer(self):
+        return self.draft_server.servicer.proposer if self.draft_servers else None
 
     def stop(self):
         self.client.close()
         if self.servicer.pool is not None:
             self.servicer.pool.close()
-        for s in (self.orchestrator_server, self.draft_server, self.target_server):
+        for s in (self.orchestrator_server, *self.draft_servers, self.target_server):
             if s is not None:
                 s.stop(0)
 
 
-def start_stack(redis_url: str, target: str = TARGET, draft: str | None = "ngram", draft_len: int = 4,
+def make_proposer(spec: str, sessions: int = 64):
+    if spec == "ngram":
+        return NgramProposer(vocab_size=model(TARGET).vocab_size), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
+    loaded = model(spec)
+    return ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
+
+
+def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inject_latency_ms: float = 0.0,
+                proposer=None):
+    proposer_, info = make_proposer(spec, sessions)
+    return build_draft_server(proposer or proposer_, info, address, inject_latency_ms=inject_latency_ms).start()
+
+
+def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | None = "ngram", draft_len: int = 4,
                 target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
                 max_new_tokens_limit: int = 512, **servicer_kwargs) -> Stack:
     tl = model(target)
     engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions))
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
-    dsrv = proposer = None
-    if draft == "ngram":
-        proposer = NgramProposer(vocab_size=tl.vocab_size)
-        info = common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
-    elif draft is not None:
-        dl = model(draft)
-        proposer = ModelProposer(dl, SessionCacheStore(max_sessions=draft_sessions))
-        info = model_info(dl, "model")
-    if proposer is not None:
-        dsrv = build_draft_server(proposer, info, "127.0.0.1:0").start()
+    specs = [] if draft is None else [draft] if isinstance(draft, str) else list(draft)
+    dservers = [start_draft(spec, sessions=draft_sessions) for spec in specs]
     target_client = TargetClient(tsrv.address)
     target_info = target_client.info()
     pool = None
-    if dsrv:
-        pool = DraftPool([dsrv.address])
-        check_compatible(target_info, pool.replicas[0].client.info())
+    if dservers:
+        pool = DraftPool([d.address for d in dservers])
+        for replica in pool.replicas:
+            check_compatible(target_info, replica.client.info())
     # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.
     cfg = cfg or LoopConfig(default_draft_len=draft_len, draft_timeout_floor_ms=5000)
     servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,
                                     cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs)
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
-    return Stack(tsrv, dsrv, osrv, servicer, engine, proposer, SpecdecClient(osrv.address, timeout_s=120))
+    return Stack(tsrv, dservers, osrv, servicer, engine, SpecdecClient(osrv.address, timeout_s=120))

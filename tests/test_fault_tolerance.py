@@ -1,0 +1,290 @@
+"""Draft faults never change or fail a generation; target and store outages within their grace periods are
+survived; cancellation frees every cache; back-pressure, auth and session ownership hold."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from draft_service.proposers.base import Proposal, Proposer
+from orchestrator.generation import LoopConfig
+from specdec.redis_server import RedisServer
+from target_service.server import build_server as build_target_server
+from tests.harness import DRAFT_EARLY, DRAFT_SAME, TARGET, model, start_draft, start_stack
+
+PROMPT = [1, 5, 9, 12, 5, 9]
+FAST = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=200, draft_first_call_timeout_ms=2000,
+                  target_grace_s=10, store_grace_s=10)
+
+
+def reference(stack, n, prompt=PROMPT):
+    return stack.client.generate(prompt, max_new_tokens=n, speculation=False, ignore_eos=True).token_ids
+
+
+def stream_with_hook(stack, n, at_tokens, hook, **kw):
+    """Stream a generation; call hook() once after `at_tokens` tokens arrived. Returns (tokens, final stats)."""
+    tokens, stats, fired = [], None, False
+    for msg in stack.client.stream(PROMPT, max_new_tokens=n, ignore_eos=True, **kw):
+        tokens += msg.token_ids
+        if msg.HasField("stats"):
+            stats = msg.stats
+        if not fired and len(tokens) >= at_tokens:
+            fired = True
+            hook()
+    return tokens, stats
+
+
+def test_draft_killed_mid_generation_then_speculation_resumes(redis_url):
+    stack = start_stack(redis_url, draft=DRAFT_SAME, cfg=FAST)
+    try:
+        ref = reference(stack, 200)
+        addr = stack.draft_server.address
+        tokens, stats = stream_with_hook(stack, 200, 10, lambda: stack.draft_servers[0].stop(0))
+        assert tokens == ref
+        assert stats.fallback_steps > 0 and stats.draft_failures > 0
+        assert stats.fallback_tokens > 0 and stats.degraded_ms > 0
+        # The draft comes back (empty caches, same address): speculation resumes by itself.
+        stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            after = stack.client.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+            assert after.token_ids == ref[:40]
+            if after.stats["verify_steps"] > 0 and after.stats["fallback_steps"] == 0:
+                break
+            time.sleep(0.3)
+        assert after.stats["acceptance_rate"] == 1.0
+    finally:
+        stack.stop()
+
+
+def test_failover_to_another_replica(redis_url):
+    stack = start_stack(redis_url, draft=[DRAFT_SAME, DRAFT_SAME], cfg=FAST)
+    try:
+        ref = reference(stack, 150)
+        sid_holder = {}
+
+        def kill_affine_replica():
+            sid = sid_holder["sid"]
+            preferred = stack.servicer.pool.ranking(sid)[0].address
+            next(s for s in stack.draft_servers if s.address == preferred).stop(0)
+
+        tokens, stats = [], None
+        for msg in stack.client.stream(PROMPT, max_new_tokens=150, ignore_eos=True):
+            sid_holder.setdefault("sid", msg.session_id)
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if len(tokens) >= 10 and "killed" not in sid_holder:
+                sid_holder["killed"] = True
+                kill_affine_replica()
+        assert tokens == ref
+        assert stats.replica_failovers >= 1
+        assert stats.draft_failures >= 1
+        # After failover the other replica speculates: most steps still verify drafts.
+        assert stats.verify_steps > stats.fallback_steps
+    finally:
+        stack.stop()
+
+
+class GarbageProposer(Proposer):
+    """A draft that answers with nonsense of one kind."""
+
+    strategy = "model"
+
+    def __init__(self, kind: str, vocab_size: int):
+        self.kind, self.vocab_size = kind, vocab_size
+
+    def get_candidates(self, session_id, prefix_len, delta, max_len, params, seed, step, min_confidence=0.0):
+        import torch
+
+        if self.kind == "out_of_vocab":
+            return Proposal([self.vocab_size + 7] * max_len, None, prefix_len + len(delta))
+        if self.kind == "too_many":
+            return Proposal([1] * (max_len + 3), None, prefix_len + len(delta))
+        if self.kind == "nan_probs":
+            probs = torch.full((max_len, self.vocab_size), float("nan"), dtype=torch.float16)
+            return Proposal([1] * max_len, probs, prefix_len + len(delta))
+        if self.kind == "wrong_prob_count":
+            probs = torch.full((1, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float16)
+            return Proposal([1] * max_len, probs, prefix_len + len(delta))
+        raise AssertionError(self.kind)
+
+    def release(self, session_id):
+        return True
+
+
+@pytest.mark.parametrize("kind", ["out_of_vocab", "too_many", "nan_probs", "wrong_prob_count"])
+def test_garbage_from_the_draft_is_a_failed_draft(redis_url, kind):
+    stack = start_stack(redis_url, draft=DRAFT_SAME, cfg=FAST)
+    try:
+        sampling = dict(temperature=0.8, seed=3) if kind in ("nan_probs", "wrong_prob_count") else {}
+        ref = stack.client.generate(PROMPT, max_new_tokens=20, speculation=False, ignore_eos=True, **sampling)
+        addr = stack.draft_server.address
+        stack.draft_servers[0].stop(0)
+        stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr,
+                                             proposer=GarbageProposer(kind, model(TARGET).vocab_size))
+        time.sleep(0.6)  # let the health checker see the replacement
+        got = stack.client.generate(PROMPT, max_new_tokens=20, ignore_eos=True, **sampling)
+        if sampling:
+            # Sampling depends on the step's RNG stream, so compare with a run that had no draft at all.
+            assert len(got.token_ids) == 20
+        else:
+            assert got.token_ids == ref.token_ids
+        assert got.stats["draft_failures_by_kind"].get("malformed", 0) >= 1
+        assert got.stats["draft_tokens_accepted"] == 0
+    finally:
+        stack.stop()
+
+
+def test_slow_draft_times_out_and_output_is_unchanged(redis_url):
+    stack = start_stack(redis_url, draft=DRAFT_SAME, cfg=FAST)
+    try:
+        ref = reference(stack, 30)
+        addr = stack.draft_server.address
+        stack.draft_servers[0].stop(0)
+        stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr, inject_latency_ms=3000)
+        t0 = time.monotonic()
+        got = stack.client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+        assert got.token_ids == ref
+        assert got.stats["draft_failures_by_kind"].get("timeout", 0) >= 1
+        assert time.monotonic() - t0 < 8, "a slow draft must not stall the generation for its full latency"
+    finally:
+        stack.stop()
+
+
+def test_target_restart_within_grace_period(redis_url):
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=FAST)
+    try:
+        ref = reference(stack, 150)
+        addr = stack.target_server.address
+
+        def bounce_target():
+            stack.target_server.stop(0)
+
+            def restart():
+                time.sleep(1.0)
+                from target_service.engine import TargetEngine
+
+                stack.target_server = build_target_server(TargetEngine(model(TARGET)), addr).start()
+
+            threading.Thread(target=restart, daemon=True).start()
+
+        tokens, stats = stream_with_hook(stack, 150, 10, bounce_target)
+        assert tokens == ref
+        assert stats.target_resyncs >= 1  # the new target rebuilt the cache from the committed tokens
+    finally:
+        stack.stop()
+
+
+def test_target_gone_past_grace_fails_with_unavailable(redis_url):
+    cfg = LoopConfig(default_draft_len=3, target_grace_s=1.0, draft_timeout_floor_ms=200)
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stream_with_hook(stack, 300, 5, lambda: stack.target_server.stop(0))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "target unavailable" in e.value.details() and "resumed" in e.value.details()
+        assert time.monotonic() - t0 < 10
+    finally:
+        stack.stop()
+
+
+def test_redis_outage_in_flight_waits_new_sessions_fail_nothing_lost(tmp_path):
+    redis = RedisServer(data_dir=str(tmp_path / "redis")).start()
+    stack = start_stack(redis.url, draft=DRAFT_EARLY, cfg=FAST)
+    try:
+        ref = reference(stack, 150)
+        result = {}
+
+        def outage():
+            redis.stop()
+            try:
+                stack.client.generate(PROMPT, max_new_tokens=5)
+            except grpc.RpcError as e:
+                result["new_session"] = (e.code(), e.details())
+            threading.Timer(1.0, redis.start).start()
+
+        tokens, stats = [], None
+        sid = None
+        for msg in stack.client.stream(PROMPT, max_new_tokens=150, ignore_eos=True):
+            sid = sid or msg.session_id
+            tokens += msg.token_ids
+            if len(tokens) >= 10 and "new_session" not in result:
+                outage()
+        assert tokens == ref
+        assert result["new_session"][0] == grpc.StatusCode.UNAVAILABLE
+        assert "unavailable" in result["new_session"][1]
+        assert list(stack.client.get_session(sid).generated_token_ids) == tokens
+    finally:
+        stack.stop()
+        redis.stop()
+
+
+def test_cancel_and_disconnect_free_every_cache(redis_url):
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=FAST)
+    try:
+        # Explicit cancel from another call.
+        stream = stack.client.stream(PROMPT, max_new_tokens=400, ignore_eos=True)
+        sid = next(stream).session_id
+        next(stream)
+        assert stack.client.cancel(sid)
+        rest = list(stream)
+        assert rest[-1].finish_reason == 4  # FINISH_REASON_CANCELLED
+        # Client disconnect: cancel the RPC itself.
+        stream2 = stack.client.stream(PROMPT, max_new_tokens=400, ignore_eos=True)
+        sid2 = next(stream2).session_id
+        next(stream2)
+        stream2.cancel()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if all(s not in stack.target_engine.store and s not in stack.proposer.store for s in (sid, sid2)):
+                break
+            time.sleep(0.05)
+        for s in (sid, sid2):
+            assert s not in stack.target_engine.store
+            assert s not in stack.proposer.store
+            assert stack.client.get_session(s).status == "cancelled"
+    finally:
+        stack.stop()
+
+
+def test_back_pressure_resource_exhausted(redis_url):
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=FAST, max_active_sessions=1)
+    try:
+        first = stack.client.stream(PROMPT, max_new_tokens=400, ignore_eos=True)
+        next(first)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stack.client.stream(PROMPT, max_new_tokens=5))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.cancel()
+        time.sleep(0.3)
+        assert len(stack.client.generate(PROMPT, max_new_tokens=5, ignore_eos=True).token_ids) == 5
+    finally:
+        stack.stop()
+
+
+def test_bearer_tokens_and_session_ownership(redis_url):
+    from specdec.client import SpecdecClient
+
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=FAST, auth_tokens=["alice-token", "bob-token"])
+    addr = stack.orchestrator_server.address
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stack.client.generate(PROMPT, max_new_tokens=3)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with SpecdecClient(addr, token="wrong") as mallory:
+            with pytest.raises(grpc.RpcError) as e:
+                mallory.generate(PROMPT, max_new_tokens=3)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with SpecdecClient(addr, token="alice-token") as alice, SpecdecClient(addr, token="bob-token") as bob:
+            r = alice.generate(PROMPT, max_new_tokens=5, ignore_eos=True)
+            assert len(r.session_id) >= 24  # ~144 random bits
+            assert list(alice.get_session(r.session_id).generated_token_ids) == r.token_ids
+            for call in (bob.get_session, bob.cancel, lambda s: bob.generate(resume_session_id=s)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(r.session_id)
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        stack.stop()
