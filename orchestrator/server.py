@@ -247,6 +247,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _load(self, session_id: str, principal: str) -> SessionRecord:
         if not session_id:
             raise self._bad("session_id is required")
+        if len(session_id) > 128:
+            raise self._bad("session_id is longer than 128 characters")
         try:
             rec = self.store.load(session_id)
         except StoreUnavailable as e:

@@ -116,6 +116,7 @@ VARIANTS = {
     "cpu-defaults": ([COMPOSE], {}),
     "cpu-env-example": ([COMPOSE], None),  # None: deploy/.env.example
     "cpu-draft-model": ([COMPOSE], {"DRAFT_STRATEGY": "model", "SPECDEC_LOG_LEVEL": "DEBUG"}),
+    "cpu-draft-list": ([COMPOSE], {"DRAFT_ADDRESSES": "specdec-draft-1:50051,specdec-draft-2:50051"}),
     "cuda-defaults": ([COMPOSE, COMPOSE_CUDA], {}),
 }
 
@@ -278,6 +279,12 @@ def test_orchestrator_points_at_existing_services(compose):
 
     def check(address: str, role: str, expected_service: str | None = None):
         host, port = _host(address), _port(address)
+        # a service name, or a replica's container name <project>-<service>-<n> (Docker DNS has both)
+        m = re.fullmatch(rf"{re.escape(compose['name'])}-(.+)-(\d+)", host)
+        if m and host not in services:
+            host, index = m.group(1), int(m.group(2))
+            assert host in services, f"--{role} {address}: no compose service {host!r}"
+            assert 1 <= index <= 16, f"--{role} {address}: replica index {index}"
         assert host in services, f"--{role} {address}: no compose service {host!r}"
         if expected_service:
             assert host == expected_service

@@ -287,6 +287,7 @@ def _summary(results: list[dict]) -> dict:
         "fallback_steps": stat("fallback_steps"),
         "draft_failures": stat("draft_failures"),
         "wall_s": round(wall, 2),
+        "wall_s_each": [round(r["wall_s"], 2) for r in results],
     }
 
 
