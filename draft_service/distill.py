@@ -989,11 +989,11 @@ def decode_latency_ms(model: Any, dtype: torch.dtype, prompt_len: int = 64, n_to
     for _ in range(repeats):
         ids = torch.randint(0, V, (1, prompt_len), generator=g)
         cache = DynamicCache(config=m.config)
-        out = m(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = m(input_ids=ids, cache=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(n_tokens):
             t0 = time.perf_counter()
-            out = m(input_ids=tok, past_key_values=cache, use_cache=True)
+            out = m(input_ids=tok, cache=cache, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
     times.sort()

@@ -66,16 +66,17 @@ class Stack:
                 s.stop(0)
 
 
-def make_proposer(spec: str, sessions: int = 64):
+def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
     if spec == "ngram":
-        return NgramProposer(vocab_size=model(TARGET).vocab_size), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
+        vocab = vocab_size or model(TARGET).vocab_size
+        return NgramProposer(vocab_size=vocab), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
     loaded = model(spec)
     return ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
 
 
 def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inject_latency_ms: float = 0.0,
-                proposer=None):
-    proposer_, info = make_proposer(spec, sessions)
+                proposer=None, vocab_size: int | None = None):
+    proposer_, info = make_proposer(spec, sessions, vocab_size)
     return build_draft_server(proposer or proposer_, info, address, inject_latency_ms=inject_latency_ms).start()
 
 
@@ -86,7 +87,7 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
     engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions))
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
     specs = [] if draft is None else [draft] if isinstance(draft, str) else list(draft)
-    dservers = [start_draft(spec, sessions=draft_sessions) for spec in specs]
+    dservers = [start_draft(spec, sessions=draft_sessions, vocab_size=tl.vocab_size) for spec in specs]
     target_client = TargetClient(tsrv.address)
     target_info = target_client.info()
     pool = None

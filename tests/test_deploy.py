@@ -557,7 +557,8 @@ def test_dockerignore_sends_the_sources_and_nothing_else(name):
                  "target_service/server.py", "draft_service/server.py", "orchestrator/server.py",
                  "protos/specdec/v1/common.proto"):
         assert (ROOT / path).exists() and _dockerignore_includes(patterns, path), path
-    for path in (".venv/bin/python", ".git/config", "tests/test_deploy.py", "specdec/__pycache__/cli.cpython-311.pyc"):
+    for path in (".venv/bin/python", ".git/config", "tests/test_deploy.py", "specdec/__pycache__/cli.cpython-311.pyc",
+                 "deploy/.env"):
         assert not _dockerignore_includes(patterns, path), path
 
 
