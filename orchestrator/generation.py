@@ -88,6 +88,16 @@ class AcceptanceWindow:
                 "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
 
 
+class TargetStepTimer:
+    """EMA of one target forward, shared by all sessions; it sets the draft deadline."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.ms = ms if self.ms == 0 else 0.8 * self.ms + 0.2 * ms
+
+
 class DraftLength:
     """Draft length per session. Fixed, or the heuristic transformers uses for assisted generation:
     +2 after a fully accepted block, -1 after a rejection."""
@@ -127,7 +137,7 @@ class Generation:
     cfg: LoopConfig
     cancel: threading.Event = field(default_factory=threading.Event)
     window: AcceptanceWindow | None = None
-    target_step_ms: float = 0.0  # EMA of one target forward, sets the draft deadline
+    target_step: TargetStepTimer = field(default_factory=TargetStepTimer)
 
     def __post_init__(self):
         p = self.rec.params
@@ -151,9 +161,14 @@ class Generation:
         return self.pool is not None and bool(self.rec.params["speculation"])
 
     def _draft_timeout_s(self) -> float:
-        if self.rec.draft_pos == 0 or self.target_step_ms == 0:
+        """A draft slower than the target's own step is no help: the deadline follows the measured target step.
+        A call that must first prefill the context (new session, failover, probe) gets time in proportion."""
+        if self.target_step.ms == 0:  # nothing measured yet
             return self.cfg.draft_first_call_timeout_ms / 1e3
-        return max(self.cfg.draft_timeout_floor_ms, self.cfg.draft_timeout_factor * self.target_step_ms) / 1e3
+        budget = self.cfg.draft_timeout_factor * self.target_step.ms
+        if self.rec.draft_pos == 0:
+            budget *= 1 + len(self.rec.committed) / 128
+        return max(self.cfg.draft_timeout_floor_ms, budget) / 1e3
 
     def _pick_replica(self):
         rec = self.rec
@@ -261,7 +276,7 @@ class Generation:
         return d.tokens
 
     def _observe_target(self, ms: float) -> None:
-        self.target_step_ms = ms if self.target_step_ms == 0 else 0.8 * self.target_step_ms + 0.2 * ms
+        self.target_step.observe(ms)
 
     # -- one step ------------------------------------------------------------------------------------
 

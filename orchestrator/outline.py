@@ -58,7 +58,8 @@ def _replica_info(replica):
     now = time.monotonic()
     with _cache_lock:
         hit = _cache.get(replica) if not isinstance(replica, _Replica) else getattr(replica, "_hit", None)
-    if hit is not None and hit[0] > now:
+    breaker_open = getattr(getattr(replica, "breaker", None), "state", None) == "open"
+    if hit is not None and hit[0] > now and not (breaker_open and hit[2] == "reachable"):
         return hit[1] or known, hit[2]
     try:
         info = replica.client.info(timeout=DRAFT_INFO_TIMEOUT_S)

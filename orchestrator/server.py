@@ -14,7 +14,8 @@ import grpc
 
 from orchestrator.clients import TargetClient
 from orchestrator.draft_pool import DraftPool
-from orchestrator.generation import AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig, stats_message
+from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
+                                     TargetStepTimer, stats_message)
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
@@ -64,6 +65,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
         self.window = AcceptanceWindow()
+        self.target_step = TargetStepTimer()
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
         self.principals = {principal_of(t): t for t in auth_tokens}
@@ -178,7 +180,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.store.create(rec)
             context.add_callback(cancel.set)  # client cancelled or disconnected
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
-                             cancel, self.window)
+                             cancel, self.window, self.target_step)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0

@@ -107,7 +107,12 @@ def ensure_providers(service_name: str | None = None) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
-        resource = Resource.create({"service.name": service_name or _SERVICE, "service.namespace": "specdec"})
+        import socket
+
+        # OTEL_SERVICE_NAME wins (e.g. to tell deployments apart); the instance id tells replicas apart.
+        name = os.environ.get("OTEL_SERVICE_NAME") or service_name or _SERVICE
+        resource = Resource.create({"service.name": name, "service.namespace": "specdec",
+                                    "service.instance.id": f"{socket.gethostname()}-{os.getpid()}"})
         otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
         current = trace.get_tracer_provider()
@@ -152,6 +157,13 @@ def ensure_providers(service_name: str | None = None) -> None:
 def providers_installed() -> bool:
     """True once this process has specdec's meter provider (so snapshot() has data)."""
     return _memory_reader is not None
+
+
+def add_metrics_argument(p) -> None:
+    """``--metrics-port`` for a service's argparse parser (default: env SPECDEC_METRICS_PORT; unset = off)."""
+    p.add_argument("--metrics-port", default=os.environ.get("SPECDEC_METRICS_PORT") or None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT or HOST:PORT; "
+                        "default $SPECDEC_METRICS_PORT, unset = no endpoint)")
 
 
 def tracer_provider():
