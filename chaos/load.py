@@ -64,7 +64,7 @@ class Progress:
 
 
 def run_request(client: SpecdecClient, prompt, rec: RequestRecord, max_new_tokens: int, deadline: float,
-                progress: Progress | None = None, max_attempts: int = 50, speculation: bool | None = None,
+                progress: Progress | None = None, max_attempts: int = 10_000, speculation: bool | None = None,
                 retry_sleep_s: float = 0.2) -> RequestRecord:
     """Stream one request to the end, resuming/retrying on retryable errors until `deadline` (monotonic)."""
     rec.start = time.monotonic()

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("specdec.distill")
 
 REPORT_NAME = "distill_report.json"
-TEACHER_CACHE_FORMAT = 1
+TEACHER_CACHE_FORMAT = 2
 
 
 # --------------------------------------------------------------------------
@@ -84,11 +84,14 @@ class DistillConfig:
     heads: int = 4
     kv_heads: int = 4
     intermediate: int = 1024
-    init: str = "svd"  # "svd" (truncated SVD of the target's embedding) or "random"
-    norm_init: float = 0.1  # initial final-norm weight: small initial logits (near-uniform student)
+    # "hidden-pca": tied embedding = target embedding projected on the top principal
+    # directions of the target's final (normed) hidden states; "svd": truncated SVD of
+    # the target's embedding matrix; "random"
+    init: str = "hidden-pca"
+    norm_init: float = 0.1  # initial final-norm weight for "svd" / "random" (small initial logits)
     # teacher data
     topk: int = 64
-    text_tokens: int = 16384  # offline text tokens run through the teacher
+    text_tokens: int = 8192  # offline text tokens run through the teacher
     text_seq_len: int = 128
     text_batch: int = 16
     gen_max_new: int = 128
@@ -104,10 +107,12 @@ class DistillConfig:
     weight_decay: float = 0.0
     warmup_frac: float = 0.05
     grad_clip: float = 1.0
+    mse_weight: float = 1.0  # + weight * MSE(student final hidden, teacher final hidden in PCA coordinates)
     neg_samples: int = 4096  # sampled softmax: batch top-k ids + this many random others (0 = full vocab)
     train_topk: int = 0  # use only the first train_topk teacher ids in the loss (0 = all stored)
     autocast_bf16: bool = True  # bfloat16 autocast for the student forward during training (CPU)
-    time_budget_s: float = 420.0
+    time_budget_s: float = 420.0  # cap on training time
+    total_budget_s: float = 870.0  # training also stops early enough for the whole run to end within this
     # evaluation / output
     gamma: int = 4
     save_dtype: str = "bfloat16"
@@ -125,6 +130,7 @@ QUICK_OVERRIDES: dict[str, Any] = dict(
     steps=25,
     batch_tokens=1024,
     time_budget_s=60.0,
+    total_budget_s=150.0,
 )
 
 
@@ -471,10 +477,16 @@ class TeacherData:
     topk_idx: list[torch.Tensor] = field(default_factory=list)
     topk_logp: list[torch.Tensor] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    hidden: list[torch.Tensor | None] = field(default_factory=list)  # teacher final normed hidden (float16)
 
-    def add(self, seq: torch.Tensor, start: int, logits: torch.Tensor, k: int, kind: str) -> None:
-        """``logits``: (L-1-start, V) teacher logits for positions start .. L-2."""
+    _FIELDS = ("seqs", "starts", "topk_idx", "topk_logp", "kinds", "hidden")
+
+    def add(self, seq: torch.Tensor, start: int, logits: torch.Tensor, k: int, kind: str,
+            hidden: torch.Tensor | None = None) -> None:
+        """``logits``: (L-1-start, V) teacher logits for positions start .. L-2; ``hidden`` likewise (n, H)."""
         assert logits.shape[0] == seq.shape[0] - 1 - start, (logits.shape, seq.shape, start)
+        assert hidden is None or hidden.shape[0] == logits.shape[0], (hidden.shape, logits.shape)
+        self.hidden.append(None if hidden is None else hidden.detach().to(torch.float16).cpu())
         logp = torch.log_softmax(logits.float(), dim=-1)
         vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
         self.seqs.append(seq.to(torch.int64).cpu())
@@ -484,7 +496,7 @@ class TeacherData:
         self.kinds.append(kind)
 
     def extend(self, other: "TeacherData") -> None:
-        for name in ("seqs", "starts", "topk_idx", "topk_logp", "kinds"):
+        for name in self._FIELDS:
             getattr(self, name).extend(getattr(other, name))
 
     def __len__(self) -> int:
@@ -494,11 +506,15 @@ class TeacherData:
         return sum(int(t.shape[0]) for t, k in zip(self.topk_idx, self.kinds) if kind is None or k == kind)
 
     def state(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in ("seqs", "starts", "topk_idx", "topk_logp", "kinds")}
+        return {name: getattr(self, name) for name in self._FIELDS}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "TeacherData":
-        return cls(**{k: list(v) for k, v in state.items()})
+        return cls(**{k: list(v) for k, v in state.items() if k in cls._FIELDS})
+
+    @property
+    def has_hidden(self) -> bool:
+        return bool(self.hidden) and all(h is not None for h in self.hidden)
 
 
 def _tqdm(it: Iterable[Any] | None = None, **kw: Any) -> Any:
@@ -528,6 +544,30 @@ def _eos_ids(teacher: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+class _FinalHidden:
+    """Forward hook on the teacher's final norm: collects its output (the lm_head input) per forward call."""
+
+    def __init__(self, teacher: Any, last_only: bool):
+        inner = getattr(teacher, "model", None)
+        self.module = getattr(inner, "norm", None) if inner is not None else None
+        self.last_only = last_only
+        self.outputs: list[torch.Tensor] = []
+        self._handle = None
+
+    def __enter__(self) -> "_FinalHidden":
+        if self.module is not None:
+            self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, module: Any, inputs: Any, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        self.outputs.append((out[:, -1] if self.last_only else out).detach().float().cpu())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
 @torch.no_grad()
 def teacher_text_data(
     teacher: Any, tokenizer: Any, texts: Sequence[str], max_tokens: int, seq_len: int, batch: int, k: int,
@@ -547,9 +587,11 @@ def teacher_text_data(
     dev = next(teacher.parameters()).device
     for i in _tqdm(range(0, len(windows), batch), desc="teacher: offline text", unit="batch", disable=not progress):
         x = torch.stack(windows[i:i + batch]).to(dev)
-        logits = teacher(input_ids=x).logits
+        with _FinalHidden(teacher, last_only=False) as cap:
+            logits = teacher(input_ids=x).logits
+        hid = cap.outputs[-1] if cap.outputs else None
         for b in range(x.shape[0]):
-            data.add(x[b].cpu(), 0, logits[b, :-1], k, "text")
+            data.add(x[b].cpu(), 0, logits[b, :-1], k, "text", None if hid is None else hid[b, :-1])
     return data
 
 
@@ -588,12 +630,14 @@ def teacher_generations(
         if do_sample:
             torch.manual_seed(seed * 100003 + gi)
             kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        out = teacher.generate(
-            input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new, eos_token_id=eos,
-            pad_token_id=pad, output_logits=True, return_dict_in_generate=True, **kwargs,
-        )
+        with _FinalHidden(teacher, last_only=True) as cap:
+            out = teacher.generate(
+                input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new, eos_token_id=eos,
+                pad_token_id=pad, output_logits=True, return_dict_in_generate=True, **kwargs,
+            )
         gen = out.sequences[:, L:].cpu()
         logits = torch.stack(out.logits, dim=1).cpu()  # (B, steps, V), raw
+        hid = torch.stack(cap.outputs[: logits.shape[1]], dim=1) if len(cap.outputs) >= logits.shape[1] else None
         del out
         for r, i in enumerate(idxs):
             row = gen[r]
@@ -605,11 +649,12 @@ def teacher_generations(
             if n == 0:
                 continue
             seq = torch.cat([torch.tensor(enc[i]), row[:n]])
-            results[i] = (seq, len(enc[i]) - 1, logits[r, :n], kind + ("-sampled" if do_sample else ""))
+            results[i] = (seq, len(enc[i]) - 1, logits[r, :n], kind + ("-sampled" if do_sample else ""),
+                          None if hid is None else hid[r, :n])
         del logits
     for i in sorted(results):  # original prompt order
-        seq, start, lg, kd = results[i]
-        data.add(seq, start, lg, k, kd)
+        seq, start, lg, kd, hd = results[i]
+        data.add(seq, start, lg, k, kd, hd)
     return data
 
 
@@ -644,7 +689,39 @@ def svd_embedding(weight: torch.Tensor, dim: int, seed: int = 0) -> torch.Tensor
     return out
 
 
-def build_student(teacher: Any, cfg: DistillConfig) -> Any:
+@dataclass
+class HiddenBasis:
+    """Top principal directions of the teacher's final normed hidden states (uncentred second moment)."""
+
+    P: torch.Tensor  # (H_teacher, k), orthonormal columns
+    ev: torch.Tensor  # (k,) second moment along each direction
+    energy: float  # fraction of the total second moment captured
+
+
+def hidden_pca(data: TeacherData, k: int) -> HiddenBasis | None:
+    if not data.has_hidden:
+        return None
+    H = torch.cat([h.float() for h in data.hidden])
+    C = H.t() @ H / H.shape[0]
+    ev, vec = torch.linalg.eigh(C.double())
+    ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
+    r = min(k, H.shape[1])
+    P = vec[:, :r].float()
+    # fix the sign of each direction (eigh's sign is arbitrary): largest-|.| entry positive
+    sign = torch.sign(P.gather(0, P.abs().argmax(0, keepdim=True)))
+    P = P * sign
+    return HiddenBasis(P=P, ev=ev[:r].float(), energy=float(ev[:r].sum() / ev.sum().clamp_min(1e-30)))
+
+
+def build_student(teacher: Any, cfg: DistillConfig, basis: HiddenBasis | None = None) -> Any:
+    """A Llama with the teacher's vocabulary and tied embeddings, initialised per ``cfg.init``.
+
+    ``"hidden-pca"`` (needs ``basis``): embedding = E @ P where E is the
+    teacher's output embedding and P the top ``hidden`` principal directions
+    of the teacher's final hidden states, and final-norm weights sqrt(ev), so
+    that a student whose final hidden equals the teacher's (projected on P)
+    reproduces the teacher's logits restricted to that subspace.
+    """
     import transformers
 
     tc = teacher.config
@@ -666,13 +743,22 @@ def build_student(teacher: Any, cfg: DistillConfig) -> Any:
     )
     torch.manual_seed(cfg.seed)
     student = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    if cfg.init == "svd":
-        with torch.no_grad():
-            student.get_input_embeddings().weight.copy_(svd_embedding(_output_embedding(teacher), cfg.hidden, cfg.seed))
-    elif cfg.init != "random":
-        raise ValueError(f"unknown --init {cfg.init!r} (svd or random)")
+    init = cfg.init
+    if init == "hidden-pca" and (basis is None or basis.P.shape[1] < cfg.hidden):
+        logger.warning("hidden-pca init needs teacher hidden states with >= %d dims; using svd init", cfg.hidden)
+        init = "svd"
     with torch.no_grad():
-        student.model.norm.weight.fill_(cfg.norm_init)
+        emb = student.get_input_embeddings().weight
+        if init == "hidden-pca":
+            assert basis is not None
+            emb.copy_(_output_embedding(teacher).float().cpu() @ basis.P[:, : cfg.hidden])
+            student.model.norm.weight.copy_(basis.ev[: cfg.hidden].clamp_min(1e-12).sqrt())
+        else:
+            if init == "svd":
+                emb.copy_(svd_embedding(_output_embedding(teacher), cfg.hidden, cfg.seed))
+            elif init != "random":
+                raise ValueError(f"unknown init {cfg.init!r} (hidden-pca, svd or random)")
+            student.model.norm.weight.fill_(cfg.norm_init)
     student.tie_weights()
     gen_cfg = getattr(teacher, "generation_config", None)
     if gen_cfg is not None:
@@ -726,8 +812,9 @@ def topk_kl(student_logits: torch.Tensor, idx: torch.Tensor, logp: torch.Tensor)
     return kl
 
 
-def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids/mask plus flat (row, pos) loss positions and their top-k targets."""
+def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int, z: Sequence[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Right-padded ids/mask, flat (row * L + pos) loss positions, their top-k targets and hidden targets."""
     L = max(int(data.seqs[i].shape[0]) for i in items)
     ids = torch.full((len(items), L), pad_id, dtype=torch.long)
     att = torch.zeros((len(items), L), dtype=torch.long)
@@ -741,7 +828,8 @@ def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int) -> tuple[to
         poss.append(torch.arange(data.starts[i], data.starts[i] + n))
         tidx.append(data.topk_idx[i])
         tlogp.append(data.topk_logp[i])
-    return ids, att, torch.cat(rows) * L + torch.cat(poss), torch.cat(tidx), torch.cat(tlogp)
+    zt = torch.cat([z[i] for i in items]) if z is not None else None
+    return ids, att, torch.cat(rows) * L + torch.cat(poss), torch.cat(tidx), torch.cat(tlogp), zt
 
 
 def make_batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
@@ -767,7 +855,7 @@ def make_batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> 
 
 def _student_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, flat_pos: torch.Tensor, tidx: torch.Tensor,
                   tlogp: torch.Tensor, neg_samples: int = 0, gen: torch.Generator | None = None,
-                  autocast: bool = False) -> torch.Tensor:
+                  autocast: bool = False, return_hidden: bool = False) -> Any:
     """Per-position (top-k + tail) KL of the student at the loss positions.
 
     With ``neg_samples > 0`` the softmax is *sampled*: logits are computed only
@@ -781,7 +869,8 @@ def _student_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, flat_pos: to
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)
         if neg_samples <= 0:
             logits = model.lm_head(h)  # only at loss positions
-            return topk_kl(logits, tidx, tlogp)
+            kl = topk_kl(logits, tidx, tlogp)
+            return (kl, h.float()) if return_hidden else kl
         weight = model.lm_head.weight
         V = weight.shape[0]
         cand = torch.unique(tidx.long())
@@ -798,7 +887,8 @@ def _student_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, flat_pos: to
         corr[cand.numel():] = math.log((V - cand.numel()) / n_neg)
         logits = logits + corr
     local = torch.searchsorted(cand, tidx.long())
-    return topk_kl(logits, local, tlogp)
+    kl = topk_kl(logits, local, tlogp)
+    return (kl, h.float()) if return_hidden else kl
 
 
 @torch.no_grad()
@@ -818,7 +908,7 @@ def mean_kl(model: Any, data: TeacherData, pad_id: int, batch_tokens: int = 4096
     if batch:
         batches.append(batch)
     for b in batches:
-        kl = _student_loss(model, *_pad_batch(data, b, pad_id))
+        kl = _student_loss(model, *_pad_batch(data, b, pad_id)[:5])
         total += float(kl.sum())
         n += int(kl.numel())
     model.train(was_training)
@@ -827,9 +917,22 @@ def mean_kl(model: Any, data: TeacherData, pad_id: int, batch_tokens: int = 4096
 
 def train_student(
     student: Any, data: TeacherData, cfg: DistillConfig, pad_id: int, time_budget_s: float | None = None,
+    basis: HiddenBasis | None = None,
 ) -> dict[str, Any]:
-    """KL distillation for ``cfg.steps`` steps (or until the time budget is spent)."""
+    """KL distillation for ``cfg.steps`` steps (or until the time budget is spent).
+
+    Loss per position: (top-k + tail) KL(teacher || student), plus, with a
+    ``basis`` and ``cfg.mse_weight > 0``, ``mse_weight`` times the mean squared
+    error between the student's final normed hidden state and the teacher's
+    projected on the basis (normalised by the mean second moment): a dense,
+    vocabulary-free signal that matches what the hidden-pca head needs.
+    """
     gen = torch.Generator().manual_seed(cfg.seed)
+    z = None
+    if basis is not None and cfg.mse_weight > 0 and data.has_hidden and basis.P.shape[1] >= cfg.hidden:
+        P = basis.P[:, : cfg.hidden]
+        z = [h.float() @ P for h in data.hidden]  # type: ignore[union-attr]
+        z_scale = float(basis.ev[: cfg.hidden].mean().clamp_min(1e-12))
     emb = student.get_input_embeddings().weight
     other = [p for n, p in student.named_parameters() if p is not emb]
     groups = [{"params": other, "lr": cfg.lr, "lr_mult": 1.0}]
@@ -851,6 +954,7 @@ def train_student(
     t0 = time.monotonic()
     batches: list[list[int]] = []
     losses: list[float] = []
+    mse_hist: list[float] = []
     stopped_by_budget = False
     step = 0
     bar = _tqdm(total=cfg.steps, desc="training student", unit="step", disable=not cfg.progress)
@@ -862,10 +966,16 @@ def train_student(
         scale = lr_at(step)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * g["lr_mult"] * scale
-        ids, att, flat_pos, tidx, tlogp = _pad_batch(data, items, pad_id)
+        ids, att, flat_pos, tidx, tlogp, zt = _pad_batch(data, items, pad_id, z)
         if cfg.train_topk:
             tidx, tlogp = tidx[:, : cfg.train_topk], tlogp[:, : cfg.train_topk]
-        loss = _student_loss(student, ids, att, flat_pos, tidx, tlogp, cfg.neg_samples, gen, cfg.autocast_bf16).mean()
+        kl, h = _student_loss(student, ids, att, flat_pos, tidx, tlogp, cfg.neg_samples, gen, cfg.autocast_bf16,
+                              return_hidden=True)
+        loss = kl.mean()
+        if zt is not None:
+            mse = ((h - zt) ** 2).mean() / z_scale
+            loss = loss + cfg.mse_weight * mse
+            mse_hist.append(mse.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -876,7 +986,7 @@ def train_student(
         losses.append(lv)
         ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         bar.update(1)
-        bar.set_postfix(kl=f"{ema:.3f}")
+        bar.set_postfix(loss=f"{ema:.3f}")
         if budget and time.monotonic() - t0 > budget and step < cfg.steps:
             stopped_by_budget = True
             logger.warning("training stopped by the time budget (%.0fs) after %d/%d steps", budget, step, cfg.steps)
@@ -888,6 +998,7 @@ def train_student(
         "train_seconds": round(time.monotonic() - t0, 2),
         "first_loss": losses[0] if losses else None,
         "last_loss_mean10": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "last_mse_mean10": (sum(mse_hist[-10:]) / len(mse_hist[-10:])) if mse_hist else None,
     }
 
 
@@ -911,7 +1022,7 @@ def greedy_matches(model: Any, data: TeacherData, pad_id: int, batch_tokens: int
     if batch:
         batches.append(batch)
     for b in batches:
-        ids, att, flat_pos, tidx, _ = _pad_batch(data, b, pad_id)
+        ids, att, flat_pos, tidx, _, _ = _pad_batch(data, b, pad_id)
         hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)
         pred = model.lm_head(h).float().argmax(-1)
@@ -1117,27 +1228,50 @@ def run_distillation(
     early_exit: Sequence[int] = (),
     latency: bool = True,
     extra_report: dict[str, Any] | None = None,
+    started_at: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Distil a student from ``teacher``; returns (student float32, report).  Saves to ``out_dir`` if given."""
+    """Distil a student from ``teacher``; returns (student float32, report).  Saves to ``out_dir`` if given.
+
+    ``started_at`` (``time.monotonic()``) is when the whole run began, for
+    ``cfg.total_budget_s`` (default: now).
+    """
     t_start = time.monotonic()
+    started_at = t_start if started_at is None else started_at
     teacher.eval()
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (_eos_ids(teacher, tokenizer) or [0])[0]
     train, held, timings = build_teacher_data(teacher, tokenizer, cfg, texts, prompts, heldout_prompts, teacher_cache)
-    student = build_student(teacher, cfg)
+    basis = hidden_pca(train, cfg.hidden) if cfg.init == "hidden-pca" or cfg.mse_weight > 0 else None
+    student = build_student(teacher, cfg, basis)
     n_params = sum(p.numel() for p in student.parameters())
     logger.info("student: %d layers, hidden %d, %.2fM parameters (tied embeddings)", cfg.layers, cfg.hidden, n_params / 1e6)
 
     t = time.monotonic()
     kl_init = mean_kl(student, held, pad_id)
     acc_init = acceptance_metrics(greedy_matches(student, held, pad_id), cfg.gamma)
+    ceiling = None
+    if basis is not None and held.has_hidden and basis.P.shape[1] >= cfg.hidden:
+        # acceptance of a perfect student (final hidden == teacher's, projected on the basis) with this head
+        with torch.no_grad():
+            head = student.get_input_embeddings().weight
+            ceiling = acceptance_metrics(
+                [(((h.float() @ basis.P[:, : cfg.hidden]) * 1.0) @ head.t()).argmax(-1) == ti[:, 0].long()
+                 for h, ti in zip(held.hidden, held.topk_idx)], cfg.gamma)  # type: ignore[union-attr]
     timings["eval_init_s"] = time.monotonic() - t
-    train_stats = train_student(student, train, cfg, pad_id)
+    # post-training work (eval, latency, alternatives, save) takes roughly this long
+    reserve = 30.0 + (40.0 if latency else 0.0) + 15.0 * len(early_exit)
+    budget = cfg.time_budget_s
+    if cfg.total_budget_s:
+        left = cfg.total_budget_s - (time.monotonic() - started_at) - reserve
+        budget = max(1.0, min(budget, left) if budget else left)
+    train_stats = train_student(student, train, cfg, pad_id, time_budget_s=budget, basis=basis)
+    train_stats["time_budget_s"] = round(budget, 1) if budget else None
     timings["train_s"] = train_stats["train_seconds"]
 
     t = time.monotonic()
     kl_final = mean_kl(student, held, pad_id)
-    acc = acceptance_metrics(greedy_matches(student, held, pad_id), cfg.gamma)
+    matches = greedy_matches(student, held, pad_id)
+    acc = acceptance_metrics(matches, cfg.gamma)
     save_dt = _DTYPES[cfg.save_dtype]
     acc_saved = acc
     if save_dt != torch.float32:
@@ -1161,7 +1295,11 @@ def run_distillation(
         "heldout": {
             "kl_init": kl_init, "kl_final": kl_final,
             "init": acc_init, "float32": acc, "saved_dtype": acc_saved,
+            "head_ceiling": ceiling,
+            "mean_accepted_len_by_gamma": {str(g): acceptance_metrics(matches, g)["mean_accepted_len"]
+                                           for g in range(1, 9)},
         },
+        "hidden_basis": None if basis is None else {"dims": int(basis.P.shape[1]), "energy": basis.energy},
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
     if latency or early_exit:
@@ -1173,6 +1311,9 @@ def run_distillation(
                 lat[name]["cost_ratio"] = lat[name]["draft_ms"] / lat[name]["target_ms"]
                 a = acc["acceptance_rate"] if dt == torch.float32 else acc_saved["acceptance_rate"]
                 lat[name]["expected_speedup_iid"] = expected_speedup(a, cfg.gamma, lat[name]["cost_ratio"])
+                # from the simulated accepted lengths: (1 + accepted) tokens per (gamma * c + 1) target-step costs
+                lat[name]["speedup_by_gamma"] = {
+                    g: (1 + m) / (int(g) * lat[name]["cost_ratio"] + 1) for g, m in report["heldout"]["mean_accepted_len_by_gamma"].items()}
             report["latency"] = lat
         ee: dict[str, Any] = {}
         for n in early_exit:
@@ -1223,7 +1364,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--kv-heads", type=int, default=d.kv_heads)
     p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--init", choices=["svd", "random"], default=d.init, help="embedding init")
+    p.add_argument("--init", choices=["hidden-pca", "svd", "random"], default=d.init,
+                   help="embedding init: target embedding projected on the top principal directions of its final "
+                        "hidden states (hidden-pca), truncated SVD of the embedding (svd), or random")
+    p.add_argument("--mse-weight", type=float, default=d.mse_weight,
+                   help="weight of the hidden-state MSE term (student final hidden vs teacher's in PCA coordinates)")
+    p.add_argument("--neg-samples", type=int, default=d.neg_samples,
+                   help="sampled softmax: random non-candidate ids per step (0 = full-vocabulary softmax)")
+    p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 autocast")
     p.add_argument("--topk", type=int, default=d.topk, help="teacher distribution: top-k log-probs + tail mass")
     p.add_argument("--train-prompts", type=int, default=None, help="number of training prompts (default 160; quick 16)")
     p.add_argument("--heldout-prompts", type=int, default=None, help="number of held-out prompts (default 24; quick 8)")
@@ -1238,6 +1386,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-lr-mult", type=float, default=d.embed_lr_mult, help="0 freezes the tied embedding")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help=f"cap on training time in seconds (default {d.time_budget_s:.0f}; quick 60)")
+    p.add_argument("--total-budget-s", type=float, default=None,
+                   help=f"training stops early enough for the whole run (load, teacher data, training, eval, save) "
+                        f"to end within this many seconds (default {d.total_budget_s:.0f}; quick 150; 0 = no limit)")
     p.add_argument("--gamma", type=int, default=d.gamma, help="draft length for the acceptance report")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default=d.save_dtype)
     p.add_argument("--early-exit", default="",
@@ -1262,9 +1413,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, init=args.init, topk=args.topk, sample_fraction=args.sample_fraction,
         lr=args.lr, embed_lr_mult=args.embed_lr_mult, gamma=args.gamma, save_dtype=args.save_dtype,
-        progress=not args.no_progress,
+        progress=not args.no_progress, mse_weight=args.mse_weight, neg_samples=args.neg_samples,
+        autocast_bf16=not args.no_autocast,
     )
-    for name in ("text_tokens", "gen_max_new", "gen_batch", "steps", "batch_tokens", "time_budget_s"):
+    for name in ("text_tokens", "gen_max_new", "gen_batch", "steps", "batch_tokens", "time_budget_s", "total_budget_s"):
         v = getattr(args, name)
         if v is not None:
             overrides[name] = v
@@ -1296,7 +1448,8 @@ def main(argv: list[str] | None = None) -> int:
         extra_report={"target_model": args.target_model, "threads": args.threads,
                       "load_target_s": round(t_load, 2), "corpus_s": round(t_corpus, 2),
                       "heldout_prompt_examples": heldout[:4], "teacher_cache": str(cache) if cache else None,
-                      "wall_s_before_save": round(time.monotonic() - t0, 2)},
+                      "wall_s_before_pipeline": round(time.monotonic() - t0, 2)},
+        started_at=t0,
     )
     report["wall_s"] = round(time.monotonic() - t0, 2)
     with open(out / REPORT_NAME, "w") as fh:  # add the final wall time

@@ -26,6 +26,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         # Fault injection for chaos tests: extra latency per Propose (toggled by SIGUSR1 in `serve`).
         self.inject_latency_ms = inject_latency_ms
         self.latency_enabled = inject_latency_ms > 0
+        component = {"specdec.component": "draft"}
+        if getattr(proposer, "store", None) is not None:
+            telemetry.register_gauge("specdec.kv_cache.size", proposer.store.total_bytes, "By", "KV cache bytes held",
+                                     component)
+        telemetry.register_gauge("specdec.kv_cache.sessions", proposer.num_sessions, "{session}",
+                                 "sessions holding a KV cache", component)
 
     @handle_errors
     def Propose(self, request, context):
@@ -114,12 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject-latency-ms", type=float, default=0.0,
                    help="fault injection: delay every Propose (SIGUSR1 toggles it on/off)")
     add_tls_arguments(p)
+    telemetry.add_metrics_argument(p)
 
 
 def serve(args: argparse.Namespace) -> None:
     import torch
 
-    telemetry.setup("specdec-draft")
+    telemetry.setup("specdec-draft", metrics_port=args.metrics_port)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,

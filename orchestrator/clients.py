@@ -84,6 +84,14 @@ class DraftClient:
         r, resynced = _call_with_resync(call, committed, pos)
         return DraftReply(list(r.tokens), list(r.probs), r.cached_len, r.draft_ms, resynced)
 
+    def propose_async(self, session_id: str, prefix_len: int, delta: list[int], max_len: int,
+                      params: SamplingParams, seed: int, step: int, timeout: float):
+        """Start a Propose without waiting (pipelining); call .result() on the returned future for the reply."""
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, delta=common_pb2.TokenDelta(prefix_len=prefix_len, tokens=delta),
+            max_draft_len=max_len, sampling=wire.sampling_to_proto(params, seed), step=step)
+        return self.stub.Propose.future(request, timeout=timeout)
+
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 

@@ -33,7 +33,8 @@ FINISH_STOP = opb.FINISH_REASON_STOP
 FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
-            "draft_failures", "decode_steps", "replica_failovers", "target_resyncs")
+            "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
+            "pipeline_hits")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms")
 
 
@@ -49,6 +50,7 @@ class LoopConfig:
     default_draft_len: int = 4
     max_draft_len: int = 16
     adaptive_draft_len: bool = False   # per-session heuristic: grow on full acceptance, shrink on rejection
+    pipeline: str = "off"              # off | on | auto (prefetch only after a fully accepted block)
     fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
     draft_timeout_floor_ms: float = 50.0
     draft_timeout_factor: float = 2.0  # x the measured target step: a slower draft is no help
@@ -154,6 +156,9 @@ class Generation:
         # A per-request max_draft_len is a fixed length; the server default may adapt.
         self.draft_len = DraftLength(start, self.cfg.max_draft_len,
                                      self.cfg.adaptive_draft_len and not int(p["max_draft_len"]))
+        self.prefetched = None        # a draft block ready for the current context (pipelining)
+        self.prefetched_for = None    # (committed length, replica address) it is valid for
+        self.last_block_full = True
 
     # -- the draft side ----------------------------------------------------------------------------
 
@@ -287,13 +292,63 @@ class Generation:
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         replica = self._pick_replica()
         if replica is not None:
-            reply, failed = self._propose(replica, k)
+            reply, failed = self._take_prefetched(replica, k)
+            if reply is None:
+                reply, failed = self._propose(replica, k)
             if reply is not None:
-                return self._verify(reply), False
+                prefetch = self._start_prefetch(replica, reply, k)
+                new = self._verify(reply)
+                self._finish_prefetch(prefetch, replica, reply, new)
+                return new, False
             if not failed:
                 return self._decode(1, False), False  # nothing drafted: one target token, then draft again
         # Every replica failed or is open: target-only for a few tokens, then try the draft again.
         return self._decode(min(self.cfg.fallback_chunk, remaining), True), True
+
+    # -- pipelining: draft block k+1 while the target verifies block k -----------------------------
+
+    def _take_prefetched(self, replica, k: int):
+        reply, self.prefetched = self.prefetched, None
+        if reply is None or self.prefetched_for != (len(self.rec.committed), replica.address):
+            return None, False
+        self.rec.stats["pipeline_hits"] += 1
+        reply.tokens, reply.probs = reply.tokens[:k], reply.probs[:k]
+        return reply, False
+
+    def _start_prefetch(self, replica, reply, k: int):
+        """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more)."""
+        if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self.last_block_full):
+            return None
+        rec = self.rec
+        ctx = len(rec.committed)
+        held = reply.cached_len  # the draft holds ctx + the drafts it fed itself
+        delta = reply.tokens[held - ctx:] if held >= ctx else None
+        if delta is None or k + 1 > self.cfg.max_draft_len:
+            return None
+        rec.stats["pipeline_prefetches"] += 1
+        return replica.client.propose_async(rec.session_id, held, delta, k + 1, self.params, self.seed,
+                                            rec.step + 1, self._draft_timeout_s() + 1.0)
+
+    def _finish_prefetch(self, future, replica, reply, new: list[int]) -> None:
+        full = len(new) == len(reply.tokens) + 1
+        self.last_block_full = full
+        if future is None:
+            return
+        try:
+            # Always wait: a stale prefetch landing after the next Propose would scramble the draft's cache.
+            r = future.result()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())
+            return
+        if (full and len(r.tokens) > 1 and r.tokens[0] == new[-1] and all(t < self.vocab_size for t in r.tokens)
+                and _valid_distributions(r.probs, self.vocab_size)
+                and (self.params.is_greedy or len(r.probs) in (0, len(r.tokens)))):
+            from orchestrator.clients import DraftReply
+
+            self.prefetched = DraftReply(list(r.tokens[1:]), list(r.probs[1:]), r.cached_len, r.draft_ms, False)
+            self.prefetched_for = (len(self.rec.committed) + len(new), replica.address)
+            self.rec.stats["draft_ms"] += r.draft_ms
 
     # -- the loop --------------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.vocab_size = target_info.vocab_size
         self.window = AcceptanceWindow()
         self.target_step = TargetStepTimer()
+        telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
         self.principals = {principal_of(t): t for t in auth_tokens}
@@ -313,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
     p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
     p.add_argument("--adaptive-draft-len", action="store_true", help="adapt the draft length per session")
+    p.add_argument("--pipeline", choices=["off", "on", "auto"], default="off",
+                   help="draft the next block while the target verifies (auto: only after a fully accepted block)")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
@@ -325,15 +328,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
                    help="file with one bearer token per line; when set, the public API requires one")
     add_tls_arguments(p)
+    telemetry.add_metrics_argument(p)
     p.add_argument("--tls-public-no-client-cert", action="store_true",
                    help="public API over TLS without client certificates (bearer tokens authenticate instead)")
 
 
 def serve(args: argparse.Namespace) -> None:
-    telemetry.setup("specdec-orchestrator")
+    telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
-                     adaptive_draft_len=args.adaptive_draft_len, fallback_chunk=args.fallback_chunk,
+                     adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
+                     fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)
     tokens = []

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from specdec import telemetry
+
 KEY_PREFIX = "specdec:session:"
 
 
@@ -88,9 +90,11 @@ class RedisSessionStore:
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise StoreUnavailable(f"session store at {self.url} is unavailable: {e}") from e
 
+    @telemetry.traced("redis.ping", telemetry.REDIS)
     def ping(self) -> bool:
         return bool(self._run(self.client.ping))
 
+    @telemetry.traced("redis.create", telemetry.REDIS)
     def create(self, rec: SessionRecord) -> None:
         meta, gen = self._keys(rec.session_id)
 
@@ -105,6 +109,7 @@ class RedisSessionStore:
 
         self._run(_do)
 
+    @telemetry.traced("redis.commit", telemetry.REDIS)
     def commit(self, rec: SessionRecord, new_tokens: list[int]) -> None:
         """Append a committed block and the new state in one round trip."""
         meta, gen = self._keys(rec.session_id)
@@ -123,6 +128,7 @@ class RedisSessionStore:
     def update_state(self, rec: SessionRecord) -> None:
         self.commit(rec, [])
 
+    @telemetry.traced("redis.load", telemetry.REDIS)
     def load(self, session_id: str) -> SessionRecord | None:
         meta, gen = self._keys(session_id)
 
@@ -150,6 +156,7 @@ class RedisSessionStore:
             stats=json.loads(h["stats"]),
         )
 
+    @telemetry.traced("redis.delete", telemetry.REDIS)
     def delete(self, session_id: str) -> None:
         self._run(lambda: self.client.delete(*self._keys(session_id)))
 

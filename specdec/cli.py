@@ -96,6 +96,7 @@ def cmd_up(args) -> int:
 
     cfg = _stack_config(args)
     cfg.orchestrator_port = args.port
+    cfg.metrics_base_port = args.metrics_base_port
     stack = LocalStack(cfg, args.log_dir)
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
     stack.start()
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start Redis, target, draft and orchestrator on loopback until Ctrl-C")
     _stack_arguments(up)
     up.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free port)")
+    up.add_argument("--metrics-base-port", type=int, default=9464,
+                    help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
@@ -185,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=cmd_run)
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
+
+    from specdec import stats_cli
+
+    st = sub.add_parser("stats", help="summarise the services' Prometheus /metrics endpoints")
+    stats_cli.add_stats_arguments(st)
+    st.set_defaults(func=stats_cli.run_stats)
+    ol = sub.add_parser("outline", help="print the running system's design outline")
+    stats_cli.add_outline_arguments(ol)
+    ol.set_defaults(func=stats_cli.run_outline)
 
     args = parser.parse_args(argv)
     return args.func(args)

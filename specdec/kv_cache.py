@@ -160,3 +160,65 @@ class CachedLM:
 
     def release(self, session_id: str) -> bool:
         return self.store.release(session_id)
+
+
+def _layer_kv(cache: DynamicCache | None):
+    return [] if cache is None else [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@torch.inference_mode()
+def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]]) -> list[torch.Tensor]:
+    """Like CachedLM.extend for several sessions in ONE forward pass; returns each one's logits.
+
+    Every row feeds M = max(len(new)) tokens: a row with fewer new tokens re-feeds its last cached tokens
+    (their KV is recomputed), so all inputs line up; caches are left-padded with masked zeros to a common
+    length and each row gets its true position ids. Rows that cannot be aligned that way (shorter in total
+    than M) run on their own.
+    """
+    m = max(len(new) for _, new in items)
+    batch, single = [], []
+    for sess, new in items:
+        (batch if len(sess.tokens) + len(new) >= m else single).append((sess, new))
+    out: dict[int, torch.Tensor] = {id(s): lm.extend(s, new) for s, new in single}
+    if len(batch) == 1:
+        s, new = batch[0]
+        out[id(s)] = lm.extend(s, new)
+    elif batch:
+        total = max(len(s.tokens) + len(new) for s, new in batch)
+        if total > lm.loaded.max_context:
+            raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {lm.loaded.max_context}")
+        device = lm.loaded.device
+        refeed = [m - len(new) for _, new in batch]
+        cache_lens = [len(s.tokens) - r for (s, _), r in zip(batch, refeed)]
+        c = max(cache_lens)
+        ids = torch.tensor([s.tokens[len(s.tokens) - r:] + new for (s, new), r in zip(batch, refeed)],
+                           dtype=torch.long, device=device)
+        mask = torch.zeros(len(batch), c + m, dtype=torch.long, device=device)
+        pos = torch.empty(len(batch), m, dtype=torch.long, device=device)
+        for i, cl in enumerate(cache_lens):
+            mask[i, c - cl:] = 1
+            pos[i] = torch.arange(cl, cl + m, device=device)
+        layers = []
+        per_row = [_layer_kv(s.cache) for s, _ in batch]
+        n_layers = max(len(kv) for kv in per_row)
+        for layer in range(n_layers):
+            ref_k, ref_v = next(kv[layer] for kv in per_row if kv)
+            shape = (len(batch), ref_k.shape[1], c, ref_k.shape[3])
+            keys = torch.zeros(shape, dtype=ref_k.dtype, device=device)
+            values = torch.zeros(shape, dtype=ref_v.dtype, device=device)
+            for i, kv in enumerate(per_row):
+                cl = cache_lens[i]
+                if cl:
+                    keys[i, :, c - cl:] = kv[layer][0][0, :, :cl]
+                    values[i, :, c - cl:] = kv[layer][1][0, :, :cl]
+            layers.append((keys, values))
+        cache = DynamicCache(ddp_cache_data=layers) if c else DynamicCache()
+        res = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        logits = res.logits[:, :, : lm.loaded.vocab_size].float()
+        for i, (s, new) in enumerate(batch):
+            cl = cache_lens[i]
+            s.cache = DynamicCache(ddp_cache_data=[
+                (k[i : i + 1, :, c - cl:].clone(), v[i : i + 1, :, c - cl:].clone()) for k, v in _layer_kv(res.cache)])
+            s.tokens.extend(new)
+            out[id(s)] = logits[i, m - len(new):]
+    return [out[id(s)] for s, _ in items]

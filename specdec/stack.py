@@ -103,6 +103,7 @@ class StackConfig:
     draft_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     orchestrator_port: int = 0
+    metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
 
 
 def resolve_draft_strategy(cfg: StackConfig) -> str:
@@ -132,6 +133,9 @@ class LocalStack:
     def address(self) -> str:
         return self.orchestrator.address
 
+    def _metrics(self, offset: int) -> list[str]:
+        return ["--metrics-port", str(self.cfg.metrics_base_port + offset)] if self.cfg.metrics_base_port else []
+
     def _common(self) -> list[str]:
         return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
 
@@ -143,10 +147,11 @@ class LocalStack:
             if self.draft_strategy == "model":
                 from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
-                                                    f"{cfg.host}:0", *self._common(), *cfg.target_args],
-                                         self.log_dir).start()
+                                                    f"{cfg.host}:0", *self._common(), *self._metrics(1),
+                                                    *cfg.target_args], self.log_dir).start()
             for i in range(cfg.draft_replicas):
-                dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common()]
+                dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
+                         *self._metrics(2 + i)]
                 dargs += ["--model", cfg.draft_model] if self.draft_strategy == "model" else ["--vocab-from", cfg.target_model]
                 self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
             target_addr = self.target.wait_ready(timeout)
@@ -164,7 +169,7 @@ class LocalStack:
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
-                "--draft-len", str(self.cfg.draft_len), *self.cfg.orchestrator_args]
+                "--draft-len", str(self.cfg.draft_len), *self._metrics(0), *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir).start()
         addr = self.orchestrator.wait_ready(timeout)
         # Restarts reuse the port so clients can reconnect to the same address.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec import sampling
-from specdec.kv_cache import CachedLM, SessionCacheStore
+from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 
@@ -19,14 +21,78 @@ class VerifyOutcome:
     next_token: int
     cached_len: int
     verify_ms: float
+    batch_size: int = 1
+
+
+@dataclass
+class VerifyJob:
+    session_id: str
+    prefix_len: int
+    delta: list[int]
+    draft_tokens: list[int]
+    draft_probs: torch.Tensor | None
+    params: SamplingParams
+    seed: int
+    step: int
+    result: VerifyOutcome | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def outcome(self) -> VerifyOutcome:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class VerifyBatcher:
+    """Collects Verify calls from concurrent sessions for up to `window_ms` and runs them as one forward pass,
+    so aggregate throughput grows with concurrency. A lone call waits at most the window."""
+
+    def __init__(self, engine: "TargetEngine", window_ms: float, max_batch: int = 16, max_queue: int = 256):
+        self.engine = engine
+        self.window_s = window_ms / 1e3
+        self.max_batch = max_batch
+        self.queue: queue.Queue[VerifyJob] = queue.Queue(maxsize=max_queue)
+        self.batches = 0
+        self.batched_jobs = 0
+        threading.Thread(target=self._loop, name="verify-batcher", daemon=True).start()
+
+    def submit(self, job: VerifyJob, timeout: float = 60.0) -> VerifyOutcome:
+        try:
+            self.queue.put(job, timeout=1.0)
+        except queue.Full:
+            raise MemoryError("verify queue is full") from None
+        if not job.done.wait(timeout):
+            raise TimeoutError("verify batch did not complete")
+        return job.outcome()
+
+    def _loop(self) -> None:
+        while True:
+            jobs = [self.queue.get()]
+            deadline = time.monotonic() + self.window_s
+            while len(jobs) < self.max_batch:
+                remaining = deadline - time.monotonic()
+                try:
+                    jobs.append(self.queue.get(timeout=max(0.0, remaining)) if remaining > 0 else self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self.engine.verify_many(jobs)
+            finally:
+                for job in jobs:
+                    job.done.set()
+            self.batches += 1
+            self.batched_jobs += len(jobs)
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16):
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16,
+                 batch_window_ms: float = 0.0, max_batch: int = 16):
         self.loaded = loaded
         self.store = store if store is not None else SessionCacheStore()
         self.lm = CachedLM(loaded, self.store)
         self.max_draft_len = max_draft_len
+        self.batcher = VerifyBatcher(self, batch_window_ms, max_batch) if batch_window_ms > 0 else None
 
     @property
     def vocab_size(self) -> int:
@@ -41,33 +107,61 @@ class TargetEngine:
             self.store.update_size(sess)
             return len(sess.tokens)
 
-    def verify(
-        self,
-        session_id: str,
-        prefix_len: int,
-        delta: list[int],
-        draft_tokens: list[int],
-        draft_probs: torch.Tensor | None,
-        params: SamplingParams,
-        seed: int,
-        step: int,
-    ) -> VerifyOutcome:
+    def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],
+               draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int) -> VerifyOutcome:
+        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step)
+        if self.batcher is not None:
+            return self.batcher.submit(job)
+        self.verify_many([job])
+        return job.outcome()
+
+    def verify_many(self, jobs: list["VerifyJob"]) -> None:
+        """Verify blocks of several sessions with ONE forward pass; each job gets its outcome or its error."""
+        seen, first, later = set(), [], []
+        for job in jobs:  # two blocks of one session cannot share a forward: the second goes next
+            (later if job.session_id in seen else first).append(job)
+            seen.add(job.session_id)
+        self._verify_batch(first)
+        if later:
+            self.verify_many(later)
+
+    def _verify_batch(self, jobs: list["VerifyJob"]) -> None:
         t0 = time.perf_counter()
-        sess = self.store.get(session_id)
-        with sess.lock:
-            new = self.lm.sync(sess, prefix_len, delta)
-            context_len = len(sess.tokens) + len(new)
-            logits = self.lm.extend(sess, new + list(draft_tokens))
-            # Row i predicts draft token i; the last row predicts the bonus token.
-            rows = logits[len(new) - 1 :]
-            gen = None if params.is_greedy else sampling.make_generator(seed, step, "verify")
-            result = sampling.verify(rows, draft_tokens, draft_probs, params, gen)
-            # Keep KV of the context and the accepted drafts; the next token has no KV yet.
-            self.lm.crop(sess, context_len + result.num_accepted)
-            self.store.update_size(sess)
-            return VerifyOutcome(
-                result.num_accepted, int(result.next_token), len(sess.tokens), (time.perf_counter() - t0) * 1e3
-            )
+        ready, locked = [], []
+        for job in jobs:
+            sess = self.store.get(job.session_id)
+            sess.lock.acquire()
+            locked.append((sess, job))
+            try:
+                new = self.lm.sync(sess, job.prefix_len, job.delta)
+                ready.append((sess, job, new, len(sess.tokens) + len(new)))
+            except Exception as e:  # noqa: BLE001 - reported to that job's caller only
+                job.error = e
+        try:
+            if ready:
+                all_logits = extend_batch(self.lm, [(sess, new + job.draft_tokens) for sess, job, new, _ in ready])
+                for (sess, job, new, context_len), logits in zip(ready, all_logits):
+                    try:
+                        # Row i predicts draft token i; the last row predicts the bonus token.
+                        rows = logits[len(new) - 1 :]
+                        gen = None if job.params.is_greedy else sampling.make_generator(job.seed, job.step, "verify")
+                        result = sampling.verify(rows, job.draft_tokens, job.draft_probs, job.params, gen)
+                        # Keep KV of the context and the accepted drafts; the next token has no KV yet.
+                        self.lm.crop(sess, context_len + result.num_accepted)
+                        self.store.update_size(sess)
+                        job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(sess.tokens),
+                                                   (time.perf_counter() - t0) * 1e3, len(ready))
+                    except Exception as e:  # noqa: BLE001
+                        self.lm.crop(sess, context_len)  # drop the unverified drafts
+                        job.error = e
+        except Exception as e:  # noqa: BLE001 - the forward itself failed: every job in it fails
+            for sess, job, _, context_len in ready:
+                if job.result is None and job.error is None:
+                    job.error = e
+                self.lm.crop(sess, min(context_len, len(sess.tokens)))
+        finally:
+            for sess, _ in locked:
+                sess.lock.release()
 
     def decode(
         self,

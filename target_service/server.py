@@ -32,6 +32,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             dtype=str(loaded.dtype).replace("torch.", ""),
             strategy="target",
         )
+        component = {"specdec.component": "target"}
+        telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
+        telemetry.register_gauge("specdec.kv_cache.sessions", engine.store.__len__, "{session}",
+                                 "sessions holding a KV cache", component)
 
     def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
         return delta.prefix_len, wire.check_token_ids(delta.tokens, self.engine.vocab_size, "delta")
@@ -109,18 +113,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
     p.add_argument("--max-cache-mb", type=int, default=4096, help="KV cache bytes kept (LRU)")
     p.add_argument("--max-draft-len", type=int, default=16)
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
+    p.add_argument("--max-batch", type=int, default=16)
     add_tls_arguments(p)
+    telemetry.add_metrics_argument(p)
 
 
 def serve(args: argparse.Namespace) -> None:
     import torch
 
-    telemetry.setup("specdec-target")
+    telemetry.setup("specdec-target", metrics_port=args.metrics_port)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
-    engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len)
+    engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
+                          max_batch=args.max_batch)
     server = build_server(engine, args.listen).start()
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

@@ -82,9 +82,9 @@ def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inj
 
 def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | None = "ngram", draft_len: int = 4,
                 target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
-                max_new_tokens_limit: int = 512, **servicer_kwargs) -> Stack:
+                max_new_tokens_limit: int = 512, batch_window_ms: float = 0.0, **servicer_kwargs) -> Stack:
     tl = model(target)
-    engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions))
+    engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions), batch_window_ms=batch_window_ms)
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
     specs = [] if draft is None else [draft] if isinstance(draft, str) else list(draft)
     dservers = [start_draft(spec, sessions=draft_sessions, vocab_size=tl.vocab_size) for spec in specs]

@@ -76,3 +76,37 @@ def test_eos_stops_generation_identically(redis_url):
         assert eos_seen > 0, "no prompt hit eos; pick other prompts"
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME], ids=["ngram", "early-layer", "same-model"])
+def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(pipeline=mode, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, draft=draft, cfg=cfg)
+    try:
+        hits = 0
+        for k in (1, 3, 6):
+            for prompt in PROMPTS:
+                ref = s.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+                got = s.client.generate(prompt, max_new_tokens=MAX_NEW, max_draft_len=k, ignore_eos=True)
+                assert got.token_ids == ref.token_ids, (k, prompt)
+                assert got.stats["pipeline_prefetches"] > 0
+                hits += got.stats["pipeline_hits"]
+        if draft == DRAFT_SAME:
+            assert hits > 0  # a perfect draft's guesses of the bonus token are right: prefetches get used
+    finally:
+        s.stop()
+
+
+def test_pipelined_sampling_is_reproducible_and_valid(redis_url):
+    from orchestrator.generation import LoopConfig
+
+    s = start_stack(redis_url, draft=DRAFT_EARLY, cfg=LoopConfig(pipeline="on", draft_timeout_floor_ms=5000))
+    try:
+        a = s.client.generate(PROMPTS[0], max_new_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
+        b = s.client.generate(PROMPTS[0], max_new_tokens=30, temperature=0.8, seed=11, ignore_eos=True)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+    finally:
+        s.stop()

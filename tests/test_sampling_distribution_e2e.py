@@ -42,14 +42,17 @@ def exact_target_distribution(params: SamplingParams) -> dict:
     return out
 
 
-def draw(stack, n: int, draft_len: int = 2):
+def draw(stack, n: int, draft_len: int = 2, extra_tokens: int = 0):
+    """n samples of the first N_TOKENS tokens (generating `extra_tokens` more lets later steps run)."""
     samples, proposed, accepted = [], 0, 0
+    draw.pipeline_hits = 0
     for seed in range(n):
-        r = stack.client.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, ignore_eos=True,
+        r = stack.client.generate(PROMPT, max_new_tokens=N_TOKENS + extra_tokens, seed=seed, ignore_eos=True,
                                   max_draft_len=draft_len, **PARAMS)
-        samples.append(tuple(r.token_ids))
+        samples.append(tuple(r.token_ids[:N_TOKENS]))
         proposed += r.stats["draft_tokens_proposed"]
         accepted += r.stats["draft_tokens_accepted"]
+        draw.pipeline_hits += r.stats["pipeline_hits"]
     return samples, accepted / max(1, proposed)
 
 
@@ -67,6 +70,21 @@ def expected():
 
 def test_speculative_sampling_matches_target_distribution(stack, expected):
     samples, acceptance = draw(stack, N_SAMPLES)
+    assert 0.05 < acceptance < 0.95, "the draft must be accepted sometimes and rejected sometimes"
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
+
+
+def test_pipelined_speculative_sampling_matches_target_distribution(redis_url, expected):
+    """Pipelining drafts the next block before verification: a used prefetch must not bias the output."""
+    from orchestrator.generation import LoopConfig
+
+    s = start_stack(redis_url, target=TARGET, draft=DRAFT, cfg=LoopConfig(pipeline="on", draft_timeout_floor_ms=5000))
+    try:
+        samples, acceptance = draw(s, N_SAMPLES, draft_len=1, extra_tokens=1)
+    finally:
+        s.stop()
+    assert draw.pipeline_hits > N_SAMPLES // 10, "prefetched blocks must actually be used for this to test anything"
     assert 0.05 < acceptance < 0.95, "the draft must be accepted sometimes and rejected sometimes"
     _, p_value = chi_square_test(samples, expected)
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"

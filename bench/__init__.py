@@ -1,0 +1,13 @@
+"""specdec benchmark: `python -m bench [--quick] [--json]`.
+
+Runs, on one machine, with the same prompts and greedy decoding, side by side: target-only decoding
+through the specdec services, Hugging Face in-process anchors (assisted generation with the same draft,
+prompt lookup, plain target), specdec speculative sequential (fixed draft lengths and adaptive),
+pipelined, and a concurrency sweep; reports ratios measured in the one run, compares the measured
+speedups with the analytical model of Leviathan et al., and writes bench/results/latest.{json,md,png}.
+See docs/benchmark.md.
+"""
+
+from bench.analysis import alpha_from_accepted_length, predicted_speedup
+
+__all__ = ["alpha_from_accepted_length", "predicted_speedup"]

@@ -1,0 +1,208 @@
+"""Markdown table and PNG plot of a benchmark result (the JSON dict of bench.runner.run)."""
+
+from __future__ import annotations
+
+import pathlib
+
+
+def _f(x, nd=2, suffix=""):
+    if x is None:
+        return "n/a"
+    if isinstance(x, str):
+        return x
+    return f"{x:.{nd}f}{suffix}"
+
+
+def _spread(sp) -> str:
+    if not sp:
+        return ""
+    return f" ({sp['min']:.2f}-{sp['max']:.2f})"
+
+
+def markdown(res: dict) -> str:
+    s = res["settings"]
+    m = res["machine"]
+    lines = [f"# specdec benchmark ({res['mode']})", ""]
+    lines += [f"Command: `{res.get('command') or 'python -m bench'}`", ""]
+    draft = res["draft"]
+    lines += [f"- target `{s['target_model']}`; draft: {draft['strategy']}"
+              + (f" `{draft['model']}`" if draft.get("model") else "")
+              + (f" ({draft['note']})" if draft.get("note") else ""),
+              f"- {len(s['prompts'])} prompts ({', '.join(p['name'] for p in s['prompts'])}), chat template, greedy, "
+              f"max_new_tokens {s['max_new_tokens']}, {s['rounds']} round(s), interleaved; {s['threads']} torch "
+              f"thread per model service and in the benchmark process",
+              f"- machine: {m['cpus']} CPUs, load average {_f(m.get('load_average_begin', [None])[0])} at start / "
+              f"{_f(m.get('load_average_end', [None])[0])} at end; torch {m['torch']}, transformers {m['transformers']}; "
+              f"total {_f(m.get('total_s'), 0)} s",
+              "- optional service flags: " + ", ".join(f"`{k}` {'yes' if v else 'no'}"
+                                                        for k, v in res["flags_available"].items()
+                                                        if isinstance(v, bool)), ""]
+    lines += ["## Headline", "",
+              f"Headline configuration: **{res.get('headline_config')}**"
+              + ("" if res.get("headline_is_pipelined") else " (no pipelined configuration available; best speculative)"),
+              "", "| metric | value |", "|---|---|"]
+    for key, label in [("tokens_per_s", "tokens/s"), ("speedup_vs_target_only", "speedup vs specdec target-only"),
+                       ("speedup_vs_hf_assisted", f"speedup vs HF anchor ({res.get('hf_anchor')})"),
+                       ("speedup_vs_hf_target_only", "speedup vs HF target-only (in-process)"),
+                       ("pipelined_vs_sequential", f"pipelined vs best sequential ({res.get('best_sequential_config')})"),
+                       ("pipelined_vs_sequential_same_policy", "pipelined vs sequential, same draft-length policy"),
+                       ("acceptance_rate", "acceptance rate (accepted / proposed)"),
+                       ("alpha", "per-token acceptance alpha (from mean accepted length)"),
+                       ("mean_accepted_length", "mean accepted length (tokens per verify)"),
+                       ("predicted_speedup", "predicted speedup"),
+                       ("measured_over_predicted", "measured / predicted"),
+                       ("throughput_8_sessions_vs_1",
+                        f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})")]:
+        lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")
+    lines += ["", "## Targets", "", "| target | value | met | measurement / why |", "|---|---|---|---|"]
+    for t in res["targets"].values():
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {_f(t['value'])} | {met} | {t.get('why', '').replace('|', '/')} |")
+    lines += ["", "## Single-session configurations", "",
+              "Speedups are tokens/s over specdec target-only, from the same run; the range in brackets is the "
+              "min-max of the paired per-prompt ratios. Predicted = (1 - a^(g+1)) / ((1 - a)(g c + 1)) with "
+              "a = alpha and g = mean proposed draft length.", "",
+              "| configuration | g | tokens/s | speedup | accept rate | alpha | mean acc. len | c | predicted | "
+              "measured/predicted | output = target-only |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in res["configs"]:
+        if c.get("kind") == "sessions":
+            continue
+        if not c.get("available"):
+            lines.append(f"| {c['label']} | {_f(c.get('draft_len'))} | not available: {c.get('reason', '')} "
+                         "| | | | | | | | |")
+            continue
+        g = c.get("draft_len")
+        g = f"{g} ({c['mean_draft_len']:.2f})" if c.get("mean_draft_len") is not None else _f(g)
+        lines.append(
+            f"| {c['label']} | {g} | {_f(c.get('tokens_per_s'))} | {_f(c.get('speedup_vs_target_only'))}"
+            f"{_spread(c.get('speedup_per_prompt'))} | {_f(c.get('acceptance_rate'))} | {_f(c.get('alpha'), 3)} | "
+            f"{_f(c.get('mean_accepted_length'))} | {_f(c.get('cost_ratio_c'), 3)} | {_f(c.get('predicted_speedup'))} | "
+            f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('output_matches_target_only'))} |")
+    hf = [c for c in res["configs"] if c.get("settings")]
+    if hf:
+        lines += [""] + [f"- {c['label']}: " + ", ".join(f"{k}={v}" for k, v in c["settings"].items() if k != "note")
+                         + (f" ({c['settings']['note']})" if c["settings"].get("note") else "") for c in hf]
+        lines += ["- HF rows: mean accepted length = tokens per target forward (forward hooks); HF assisted acceptance "
+                  "is approximate (tokens - target forwards) / draft forwards"]
+    sess = [c for c in res["configs"] if c.get("kind") == "sessions"]
+    if sess:
+        lines += ["", "## Concurrent sessions", "",
+                  f"{res['settings']['session_jobs']} generations per session count and round, drained by N client "
+                  "threads; aggregate tokens/s = all tokens / wall time of the whole batch.", "",
+                  "| sweep | sessions | aggregate tokens/s | vs 1 session | mean per-session tokens/s | accept rate | "
+                  "target verify ms/step |", "|---|---|---|---|---|---|---|"]
+        for r in sess:
+            if not r.get("available"):
+                lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | |")
+                continue
+            lines.append(f"| {r['sweep']}{' (--batch-window-ms ' + _f(r['batch_window_ms'], 1) + ')' if r.get('batched_verification') else ''} "
+                         f"| {r['sessions']} | {_f(r['tokens_per_s'])} | {_f(r['throughput_vs_1_session'])} | "
+                         f"{_f(r['mean_session_tokens_per_s'])} | {_f(r.get('acceptance_rate'))} | "
+                         f"{_f(r.get('target_verify_ms_per_step'), 1)} |")
+    mb, ov = res["microbench"], res["overheads"]
+    lines += ["", "## Per-step costs", "",
+              f"- target decode step (1 token, in-process): {_f(mb['target_step_ms'], 1)} ms; draft step: "
+              f"{_f(mb.get('draft_step_ms'), 2)} ms; c = {_f(mb.get('c'), 3)}",
+              "- target forward over n tokens vs one step: " + ", ".join(
+                  f"n={k}: {_f(v, 1)} ms ({_f(mb['verify_cost_vs_step'][k])}x)" for k, v in mb["target_block_ms"].items()),
+              f"- loopback gRPC unary round trip {_f(ov['grpc_unary_roundtrip_ms'], 2)} ms; Redis per-step commit "
+              f"{_f(ov['redis_commit_ms'], 2)} ms", ""]
+    lines += ["| configuration | client ms/step | target verify ms/step | draft ms/step | RPC + orchestrator overhead "
+              "ms/step | store + stream ms/step |", "|---|---|---|---|---|---|"]
+    for c in res["configs"]:
+        p = c.get("per_step_ms")
+        if p:
+            lines.append(f"| {c['name']} | {_f(p['client_wall'], 1)} | {_f(p['target_verify'], 1)} | "
+                         f"{_f(p['draft_propose'], 1)} | {_f(p['rpc_and_orchestrator_overhead'], 1)} | "
+                         f"{_f(p['store_and_stream_overhead'], 1)} |")
+    lines += ["", "Overheads are estimates: orchestrator step time minus the services' own model time "
+              "(decode steps counted at the in-process target step time), and client wall minus orchestrator step "
+              "time. Not computed for pipelined configurations (draft and verify overlap).", ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str | pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = [c for c in res["configs"] if c.get("available")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), dpi=110)
+
+    def fixed(kind):
+        pts = sorted((c["draft_len"], c) for c in cfgs if c["kind"] == kind and isinstance(c.get("draft_len"), int))
+        return [g for g, _ in pts], [c for _, c in pts]
+
+    gs, seq = fixed("specdec-sequential")
+    if gs:
+        ax1.plot(gs, [c["speedup_vs_target_only"] for c in seq], "o-", color="tab:blue", lw=2, ms=7,
+                 label="specdec sequential (measured)")
+        pred = [c.get("predicted_speedup") for c in seq]
+        if any(p is not None for p in pred):
+            ax1.plot(gs, pred, "o--", color="tab:blue", alpha=0.45, label="sequential, predicted")
+    gp, pipe = fixed("specdec-pipelined")
+    if gp:
+        ax1.plot(gp, [c["speedup_vs_target_only"] for c in pipe], "s-", color="tab:red", lw=2, ms=7,
+                 label="specdec pipelined (measured)")
+    styles = {"specdec-seq-adaptive": ("tab:blue", ":", "sequential adaptive"),
+              "specdec-pipe-adaptive": ("tab:red", ":", "pipelined adaptive"),
+              "hf-assisted": ("tab:green", "-.", "HF assisted (in-process)"),
+              "hf-prompt-lookup": ("tab:olive", "-.", "HF prompt lookup (in-process)"),
+              "hf-target-only": ("tab:gray", "--", "HF target-only (in-process)")}
+    for c in cfgs:
+        if c["name"] in styles and c.get("speedup_vs_target_only") is not None:
+            color, ls, label = styles[c["name"]]
+            ax1.axhline(c["speedup_vs_target_only"], color=color, ls=ls, lw=1.6,
+                        label=f"{label}: {c['speedup_vs_target_only']:.2f}x")
+    ax1.axhline(1.0, color="black", lw=1, label="specdec target-only = 1")
+    ax1.axhline(1.5, color="black", lw=0.8, ls=(0, (1, 3)), label="target 1.5x")
+    xs = sorted(set(gs) | set(gp))
+    if xs:
+        ax1.set_xticks(xs)
+    ax1.set_xlabel("draft length g (tokens per step)")
+    ax1.set_ylabel("speedup over specdec target-only (tokens/s ratio)")
+    ax1.set_title("Speedup against draft length (1 session)")
+    ax1.grid(alpha=0.3)
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=7.5, loc="best")
+
+    sweeps: dict[str, list] = {}
+    for c in cfgs:
+        if c.get("kind") == "sessions":
+            sweeps.setdefault(c["sweep"], []).append(c)
+    colors = {"sessions-batched": "tab:purple", "sessions-unbatched": "tab:orange"}
+    for name, rows in sweeps.items():
+        rows.sort(key=lambda r: r["sessions"])
+        n = [r["sessions"] for r in rows]
+        tps = [r["tokens_per_s"] for r in rows]
+        label = name + (f" (--batch-window-ms {rows[0]['batch_window_ms']:g})" if rows[0].get("batched_verification") else "")
+        ax2.plot(n, tps, "o-", color=colors.get(name), lw=2, ms=7, label=label)
+        for x, y, r in zip(n, tps, rows):
+            ax2.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points", xytext=(4, 6),
+                         fontsize=8, color=colors.get(name))
+        ax2.plot(n, [tps[0] * k / n[0] for k in n], ":", color=colors.get(name), alpha=0.5,
+                 label=f"{name}: linear scaling")
+        ax2.plot([n[-1]], [2 * tps[0]], "x", color=colors.get(name), ms=9, mew=2, label=f"{name}: target 2x of 1")
+    if sweeps:
+        ax2.set_xscale("log", base=2)
+        allx = sorted({r["sessions"] for rows in sweeps.values() for r in rows})
+        ax2.set_xticks(allx)
+        ax2.set_xticklabels([str(x) for x in allx])
+        top = max(r["tokens_per_s"] for rows in sweeps.values() for r in rows)
+        ax2.set_ylim(0, max(top, 2 * min(rows[0]["tokens_per_s"] for rows in sweeps.values())) * 1.25)
+        ax2.legend(fontsize=7.5, loc="upper left")
+    else:
+        ax2.text(0.5, 0.5, "no sessions sweep", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set_xlabel("concurrent sessions")
+    ax2.set_ylabel("aggregate tokens/s")
+    ax2.set_title("Throughput against sessions")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"specdec benchmark ({res['mode']}), {res['settings']['max_new_tokens']} tokens/prompt, "
+                 f"{len(res['settings']['prompts'])} prompts, greedy\ntarget {res['settings']['target_model']}; draft "
+                 f"{res['draft']['strategy']}" + (f" {res['draft']['model']}" if res['draft'].get('model') else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,794 @@
+"""Run every configuration side by side on the same prompts and machine, and summarise.
+
+Flow: load the target (and draft) in this process for the Hugging Face anchors and the microbenchmarks;
+start the specdec services; measure the per-step overheads (gRPC round trip, Redis commit) and the
+model step times; warm every configuration up once; then time all single-session configurations
+interleaved prompt by prompt (the order rotates every prompt, so slow drift of a shared machine is
+spread over all of them); then the concurrency sweep, its session counts also rotated per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from bench import analysis
+from bench.prompts import Prompt, encode, select
+
+log = logging.getLogger("bench")
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+TARGETS = [
+    # key, threshold, description
+    ("pipelined_speedup_vs_target_only", 1.5, "specdec speculative pipelined >= 1.5x target-only"),
+    ("speedup_vs_hf_assisted", 1.0, "specdec pipelined >= 1.0x in-process HF assisted generation"),
+    ("pipelined_faster_than_sequential", 1.0, "pipelined faster than sequential (ratio > 1.0)"),
+    ("measured_over_predicted", 0.9, "measured / predicted speedup >= 0.9"),
+    ("throughput_8_sessions_vs_1", 2.0, "8 concurrent sessions >= 2x the aggregate throughput of 1"),
+]
+
+
+@dataclass
+class Sample:
+    prompt: str
+    round: int
+    tokens: list[int]
+    wall_s: float
+    stats: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str  # specdec-target-only | hf-target-only | hf-assisted | hf-prompt-lookup | specdec-sequential | specdec-pipelined
+    label: str
+    run: Callable[[list[int], int], Sample] | None
+    draft_len: int | None = None  # None: adaptive / HF's own schedule / no drafting
+    pipelined: bool = False
+    available: bool = True
+    reason: str = ""
+    settings: dict = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    orchestrator: str | None = None  # the BenchServices orchestrator it talks to
+    orchestrator_extra: list[str] = field(default_factory=list)  # that orchestrator's flags beyond the common ones
+    orchestrator_flags: list[str] = field(default_factory=list)
+
+    def tokens_per_s(self) -> float:
+        wall = sum(s.wall_s for s in self.samples)
+        return sum(len(s.tokens) for s in self.samples) / wall if wall else 0.0
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind in ("specdec-sequential", "specdec-pipelined")
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g in 3,4")
+    p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
+    p.add_argument("--target-model", default="smollm2")
+    p.add_argument("--draft-model", default="smollm2-draft")
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram"], default="auto",
+                   help="auto: the distilled draft if it is in the cache, else n-gram prompt lookup")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
+    p.add_argument("--rounds", type=int, default=None, help="repeats of the interleaved sweep (default 2; quick 1)")
+    p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 3,4)")
+    p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run pipelined at each fixed draft length (default: on; off in quick mode)")
+    p.add_argument("--sessions", default="1,2,4,8", help="concurrent sessions for the throughput sweep")
+    p.add_argument("--session-jobs", type=int, default=None,
+                   help="generations per session count per round (default: the largest session count)")
+    p.add_argument("--unbatched-sweep", action=argparse.BooleanOptionalAction, default=None,
+                   help="also sweep sessions without --batch-window-ms (default: on; off in quick mode "
+                        "when batching is available)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
+    p.add_argument("--warmup-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where latest.json / latest.md / latest.png go")
+    p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    q = a.quick
+    a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
+    a.num_prompts = a.num_prompts or (4 if q else 12)
+    a.rounds = a.rounds or (1 if q else 2)
+    a.draft_lens = [int(x) for x in (a.draft_lens or ("3,4" if q else "2,3,4,6")).split(",") if x.strip()]
+    a.sessions = sorted({int(x) for x in a.sessions.split(",") if x.strip()})
+    a.session_jobs = a.session_jobs or max(a.sessions)
+    if a.pipelined_sweep is None:
+        a.pipelined_sweep = not q
+    return a
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+# ------------------------------------------------------------------------------------------------
+
+
+def _specdec_run(address: str, speculation: bool, draft_len: int) -> Callable[[list[int], int], Sample]:
+    from specdec.client import SpecdecClient
+
+    client = SpecdecClient(address)
+
+    def run(ids: list[int], max_new: int) -> Sample:
+        r = client.generate(ids, max_new_tokens=max_new, speculation=speculation, max_draft_len=draft_len)
+        return Sample("", 0, list(r.token_ids), r.wall_s, dict(r.stats))
+
+    return run
+
+
+def _hf_run(target, assistant=None, prompt_lookup: int | None = None) -> Callable[[list[int], int], Sample]:
+    from bench.hf import hf_generate
+
+    pad = target.model.generation_config.pad_token_id
+    pad = pad if pad is not None else target.eos_token_ids[0]
+
+    def run(ids: list[int], max_new: int) -> Sample:
+        r = hf_generate(target.model, ids, max_new, target.eos_token_ids, pad,
+                        assistant=None if assistant is None else assistant.model, prompt_lookup_num_tokens=prompt_lookup)
+        return Sample("", 0, r.tokens, r.wall_s, extra={"target_forwards": r.target_forwards,
+                                                         "draft_forwards": r.draft_forwards})
+
+    return run
+
+
+def orchestrator_specs(args, flags: dict) -> dict:
+    """The orchestrators to start: name -> (target process, extra flags)."""
+    specs = {"orch-sequential": ("target", [])}
+    modes = flags["pipeline_modes"]
+    if "on" in modes:
+        specs["orch-pipe-on"] = ("target", modes["on"])
+    if "auto" in modes and not args.quick:
+        specs["orch-pipe-auto"] = ("target", modes["auto"])
+    return specs
+
+
+def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
+    from bench.hf import hf_settings
+
+    addr = services.addresses
+    specs = services.orchestrators
+    no_pipe = "the orchestrator has no --pipeline flag in this checkout"
+    no_adapt = "the orchestrator has no --adaptive-draft-len flag in this checkout"
+
+    def sd(name, kind, label, orch, speculation, g, pipelined=False, available=True, reason=""):
+        ok = available and orch in addr
+        return Config(name, kind, label, _specdec_run(addr[orch], speculation, g or 0) if ok else None,
+                      draft_len=g, pipelined=pipelined, available=ok,
+                      reason="" if ok else (reason or f"orchestrator {orch} is not running"),
+                      orchestrator=orch, orchestrator_extra=list(specs.get(orch, ("", []))[1]),
+                      orchestrator_flags=services.orchestrator_flags(specs.get(orch, ("", []))[1]))
+
+    cfgs = [sd("specdec-target-only", "specdec-target-only", "specdec target-only (speculation off)",
+               "orch-sequential", False, None),
+            Config("hf-target-only", "hf-target-only", "HF generate, target only (in-process)", _hf_run(target))]
+    if draft is not None:
+        cfgs.append(Config("hf-assisted", "hf-assisted", "HF generate(assistant_model=draft) (in-process)",
+                           _hf_run(target, assistant=draft), settings=hf_settings("hf-assisted", draft.model)))
+    else:
+        cfgs.append(Config("hf-assisted", "hf-assisted", "HF generate(assistant_model=draft) (in-process)", None,
+                           available=False, reason="no draft model: the services use the n-gram drafter "
+                           f"({args.draft_model!r} is not in the cache), so HF prompt lookup is the matching anchor"))
+    cfgs.append(Config("hf-prompt-lookup", "hf-prompt-lookup",
+                       f"HF generate(prompt_lookup_num_tokens={args.prompt_lookup_num_tokens}) (in-process)",
+                       _hf_run(target, prompt_lookup=args.prompt_lookup_num_tokens),
+                       settings=hf_settings("hf-prompt-lookup", prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)))
+    for g in args.draft_lens:
+        cfgs.append(sd(f"specdec-seq-g{g}", "specdec-sequential", f"specdec sequential, g={g}", "orch-sequential",
+                       True, g))
+    adaptive = flags["orchestrator --adaptive-draft-len"]
+    cfgs.append(sd("specdec-seq-adaptive", "specdec-sequential", "specdec sequential, adaptive g", "orch-sequential",
+                   True, None, available=adaptive, reason=no_adapt))
+    has_pipe = flags["orchestrator --pipeline"]
+    cfgs.append(sd("specdec-pipe-adaptive", "specdec-pipelined", "specdec pipelined (on), adaptive g", "orch-pipe-on",
+                   True, None, pipelined=True, available=has_pipe and adaptive, reason=no_pipe if not has_pipe else no_adapt))
+    if "orch-pipe-auto" in specs:
+        cfgs.append(sd("specdec-pipe-auto-adaptive", "specdec-pipelined", "specdec pipelined (auto), adaptive g",
+                       "orch-pipe-auto", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    if args.pipelined_sweep:
+        for g in args.draft_lens:
+            cfgs.append(sd(f"specdec-pipe-g{g}", "specdec-pipelined", f"specdec pipelined (on), g={g}", "orch-pipe-on",
+                           True, g, pipelined=True, available=has_pipe, reason=no_pipe))
+    return cfgs
+
+
+def _run_one(cfg: Config, ids: list[int], max_new: int, prompt: str, rnd: int) -> Sample | None:
+    try:
+        s = cfg.run(ids, max_new)
+    except Exception as e:  # noqa: BLE001 - one broken configuration must not sink the whole run
+        cfg.available = False
+        cfg.reason = f"failed during the run: {type(e).__name__}: {str(e)[:300]}"
+        log.error("%s failed: %s", cfg.name, e)
+        return None
+    s.prompt, s.round = prompt, rnd
+    return s
+
+
+def run_sessions_level(n: int, jobs: list[tuple[str, list[int]]], max_new: int, clients: list,
+                       draft_len: int = 0) -> tuple[float, list[Sample]]:
+    """n worker threads (one client each) drain the job list; returns (wall seconds, samples)."""
+    lock = threading.Lock()
+    queue = list(jobs)
+    out: list[Sample] = []
+    errors: list[BaseException] = []
+
+    def worker(client):
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                name, ids = queue.pop(0)
+            try:
+                r = client.generate(ids, max_new_tokens=max_new, speculation=True, max_draft_len=draft_len)
+            except BaseException as e:  # noqa: BLE001
+                with lock:
+                    errors.append(e)
+                return
+            with lock:
+                out.append(Sample(name, 0, list(r.token_ids), r.wall_s, dict(r.stats)))
+
+    threads = [threading.Thread(target=worker, args=(clients[i],), daemon=True) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, out
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements besides the sweep
+# ------------------------------------------------------------------------------------------------
+
+
+def microbench(target, draft, ids: list[int], draft_lens: list[int]) -> dict:
+    from bench.hf import block_forward_ms, decode_step_ms
+
+    decode_step_ms(target, ids, steps=3)  # warm-up
+    t = decode_step_ms(target, ids)
+    out = {"target_step_ms": t, "target_block_ms": {}, "draft_step_ms": None, "c": None}
+    for g in sorted(set(draft_lens) | {4}):
+        out["target_block_ms"][str(g + 1)] = block_forward_ms(target, ids, g + 1)
+    out["verify_cost_vs_step"] = {k: v / t for k, v in out["target_block_ms"].items()}
+    if draft is not None:
+        decode_step_ms(draft, ids, steps=3)
+        d = decode_step_ms(draft, ids, steps=24)
+        out["draft_step_ms"] = d
+        out["c"] = d / t
+    return out
+
+
+def measure_overheads(services, reps: int = 30) -> dict:
+    import statistics
+
+    from orchestrator.clients import TargetClient
+    from orchestrator.session_store import SessionRecord, open_store
+
+    client = TargetClient(services.addresses["target"])
+    client.info(timeout=10)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        client.info(timeout=10)
+        times.append((time.perf_counter() - t0) * 1e3)
+    client.close()
+    store = open_store(services.redis.url)
+    rec = SessionRecord("bench-overhead", list(range(64)), {"temperature": 0.0, "max_new_tokens": 96},
+                        stats={k: 0 for k in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted",
+                                              "fallback_steps", "decode_steps", "draft_ms", "verify_ms", "wall_ms")})
+    store.create(rec)
+    rtimes = []
+    for i in range(reps):
+        rec.generated.extend([1, 2, 3])
+        rec.step = i
+        t0 = time.perf_counter()
+        store.commit(rec, [1, 2, 3])
+        rtimes.append((time.perf_counter() - t0) * 1e3)
+    store.delete(rec.session_id)
+    return {"grpc_unary_roundtrip_ms": statistics.median(times), "redis_commit_ms": statistics.median(rtimes),
+            "note": "median of %d loopback calls: TargetService.GetInfo (an empty unary RPC) and the "
+                    "orchestrator's per-step Redis commit (one MULTI pipeline)" % reps}
+
+
+# ------------------------------------------------------------------------------------------------
+# summaries
+# ------------------------------------------------------------------------------------------------
+
+
+def _sum_stats(samples: list[Sample]) -> dict:
+    keys = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "decode_steps", "fallback_steps",
+            "draft_failures", "draft_ms", "verify_ms", "wall_ms", "pipeline_prefetches", "pipeline_hits")
+    out = {k: sum(float(s.stats.get(k, 0) or 0) for s in samples) for k in keys}
+    kinds: dict[str, float] = {}
+    for s in samples:
+        for kind, n in (s.stats.get("draft_failures_by_kind") or {}).items():
+            kinds[kind] = kinds.get(kind, 0) + float(n)
+    out["draft_failures_by_kind"] = kinds
+    return out
+
+
+def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy: str,
+                     reference_tokens: dict[str, list[int]]) -> dict:
+    out = {"name": cfg.name, "kind": cfg.kind, "label": cfg.label, "available": cfg.available and bool(cfg.samples),
+           "draft_len": cfg.draft_len if cfg.draft_len is not None else (
+               "adaptive" if cfg.speculative else ("hf-schedule" if cfg.kind in ("hf-assisted", "hf-prompt-lookup")
+                                                   else None)),
+           "pipelined": cfg.pipelined}
+    if cfg.settings:
+        out["settings"] = cfg.settings
+    if cfg.orchestrator:
+        out["orchestrator_flags"] = cfg.orchestrator_flags
+        out["request_max_draft_len"] = cfg.draft_len or 0
+    if not out["available"]:
+        out["reason"] = cfg.reason or "no samples"
+        return out
+    tokens = sum(len(s.tokens) for s in cfg.samples)
+    wall = sum(s.wall_s for s in cfg.samples)
+    out.update(samples=len(cfg.samples), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall if wall else None)
+    base_tps = None
+    if baseline is not None and baseline.samples:
+        bt = sum(len(s.tokens) for s in baseline.samples)
+        bw = sum(s.wall_s for s in baseline.samples)
+        base_tps = bt / bw if bw else None
+    out["speedup_vs_target_only"] = analysis.ratio(out["tokens_per_s"], base_tps)
+    # Paired per-(prompt, round) speedups: the spread shows how noisy the shared machine was.
+    if baseline is not None:
+        by_key = {(s.prompt, s.round): s for s in baseline.samples}
+        pairs = []
+        for s in cfg.samples:
+            b = by_key.get((s.prompt, s.round))
+            if b is not None and s.tokens and b.tokens and s.wall_s and b.wall_s:
+                pairs.append((len(s.tokens) / s.wall_s) / (len(b.tokens) / b.wall_s))
+        out["speedup_per_prompt"] = analysis.spread(pairs)
+    matches = [s.tokens == reference_tokens.get(s.prompt) for s in cfg.samples if s.prompt in reference_tokens]
+    out["output_matches_target_only"] = (sum(matches) / len(matches)) if matches else None
+
+    if cfg.kind.startswith("hf-"):
+        tf = sum(s.extra.get("target_forwards", 0) for s in cfg.samples)
+        df = sum(s.extra.get("draft_forwards", 0) for s in cfg.samples)
+        out["target_forwards"] = tf
+        out["mean_accepted_length"] = tokens / tf if tf else None  # tokens committed per target forward
+        if cfg.kind == "hf-assisted" and df:
+            out["draft_forwards"] = df
+            out["acceptance_rate"] = max(0.0, (tokens - tf) / df)
+            out["acceptance_note"] = "approx.: (tokens - target forwards) / draft forwards, from forward hooks"
+        return out
+
+    st = _sum_stats(cfg.samples)
+    out["service_stats"] = st
+    steps = st["verify_steps"] + st["decode_steps"]
+    t_step = micro["target_step_ms"]
+    client_ms = wall * 1e3
+    if steps:
+        model_ms = st["draft_ms"] + st["verify_ms"] + st["decode_steps"] * t_step  # decode time is not in the stats
+        if cfg.kind == "specdec-target-only":
+            model_ms = tokens * t_step
+        out["per_step_ms"] = {
+            "client_wall": client_ms / steps,
+            "target_verify": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
+            "draft_propose": st["draft_ms"] / st["verify_steps"] if st["verify_steps"] else None,
+            "rpc_and_orchestrator_overhead": None if cfg.pipelined else (st["wall_ms"] - model_ms) / steps,
+            "store_and_stream_overhead": (client_ms - st["wall_ms"]) / steps,
+            "note": "estimates: overhead = orchestrator step time minus the services' own model time "
+                    "(decode steps at the microbenchmarked target step time); store_and_stream = client wall "
+                    "minus orchestrator step time (Redis commit, streaming, session setup)",
+        }
+    if not cfg.speculative:
+        return out
+    v = st["verify_steps"]
+    proposed, accepted = st["draft_tokens_proposed"], st["draft_tokens_accepted"]
+    if not v or not proposed:
+        out["reason_no_prediction"] = "no verify steps (nothing was drafted)"
+        return out
+    g_mean = proposed / v
+    mal = (accepted + v) / v
+    out["acceptance_rate"] = accepted / proposed
+    out["mean_accepted_length"] = mal
+    out["mean_draft_len"] = g_mean
+    alpha = analysis.alpha_from_accepted_length(mal, g_mean)
+    out["alpha"] = alpha
+    draft_ms_per_token = st["draft_ms"] / proposed
+    out["draft_ms_per_token"] = draft_ms_per_token
+    if strategy == "model" and micro.get("c") is not None:
+        c, c_src = micro["c"], "microbenchmark: draft step / target step, in-process, same threads"
+    else:
+        c, c_src = draft_ms_per_token / t_step, "service stats draft_ms per proposed token / microbenchmarked target step"
+    out["cost_ratio_c"] = c
+    out["cost_ratio_source"] = c_src
+    out["cost_ratio_c_services"] = draft_ms_per_token / (st["verify_ms"] / v) if st["verify_ms"] else None
+    pred = analysis.predicted_speedup_with_plain_steps(alpha, g_mean, c, int(v), int(st["decode_steps"]))
+    out["predicted_speedup"] = pred
+    out["predicted_model"] = ("leviathan" if not st["decode_steps"] else
+                              "leviathan, plus plain target steps where nothing was drafted")
+    out["measured_over_predicted"] = analysis.ratio(out["speedup_vs_target_only"], pred)
+    return out
+
+
+def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tuple[float, list[Sample]]]],
+                       batched: bool, head_cfg: Config, orchestrator_flags: list[str],
+                       batch_window_ms: float | None) -> list[dict]:
+    rows = []
+    base = None
+    for n in sorted(levels):
+        runs = levels[n]
+        if not runs:
+            continue
+        tokens = sum(len(s.tokens) for _, samples in runs for s in samples)
+        wall = sum(w for w, _ in runs)
+        st = _sum_stats([s for _, samples in runs for s in samples])
+        tps = tokens / wall if wall else None
+        if n == min(levels):
+            base = tps
+        row = {"name": f"{name}-{n}", "kind": "sessions", "sweep": name, "sessions": n, "available": True,
+               "batched_verification": batched, "batch_window_ms": batch_window_ms,
+               "configuration": head_cfg.name, "orchestrator_flags": orchestrator_flags,
+               "request_max_draft_len": head_cfg.draft_len or 0, "target": address_kind,
+               "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
+               "throughput_vs_1_session": analysis.ratio(tps, base),
+               "mean_session_tokens_per_s": (sum(len(s.tokens) / s.wall_s for _, ss in runs for s in ss if s.wall_s)
+                                             / max(1, sum(len(ss) for _, ss in runs))),
+               "acceptance_rate": (st["draft_tokens_accepted"] / st["draft_tokens_proposed"]
+                                   if st["draft_tokens_proposed"] else None),
+               "mean_accepted_length": ((st["draft_tokens_accepted"] + st["verify_steps"]) / st["verify_steps"]
+                                        if st["verify_steps"] else None),
+               "target_verify_ms_per_step": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
+               "service_stats": st}
+        rows.append(row)
+    return rows
+
+
+def _fmt(x, nd=2):
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def evaluate_targets(res: dict) -> dict:
+    cfgs = {c["name"]: c for c in res["configs"]}
+    head = cfgs.get(res.get("headline_config") or "", {})
+    out = {}
+    for key, thr, desc in TARGETS:
+        value = res.get(key if key != "pipelined_speedup_vs_target_only" else "speedup_vs_target_only")
+        if key == "pipelined_faster_than_sequential":
+            value = res.get("pipelined_vs_sequential")
+        entry = {"target": desc, "threshold": thr, "value": value}
+        if value is None:
+            entry["met"] = None
+            entry["why"] = "not measured: " + res.get("not_measured", {}).get(key, "the configuration is not available")
+        elif key == "pipelined_faster_than_sequential":
+            entry["met"] = value > thr
+        else:
+            entry["met"] = value >= thr
+        if entry["met"] is False or (entry["met"] and key in ("pipelined_speedup_vs_target_only",)):
+            entry["why"] = _why(key, value, thr, head, cfgs, res)
+        if entry["met"] is True and "why" not in entry:
+            entry["why"] = f"met: {_fmt(value)} vs {thr}"
+        out[key] = entry
+    return out
+
+
+def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) -> str:
+    hp = head.get("predicted_speedup")
+    ov = res.get("overheads", {})
+    per = head.get("per_step_ms") or {}
+    if key == "pipelined_speedup_vs_target_only":
+        verb = "met" if value >= thr else "not met"
+        parts = [f"{verb}: {head.get('name')} runs {_fmt(head.get('tokens_per_s'))} tok/s = {_fmt(value)}x target-only"]
+        if hp is not None:
+            parts.append(f"the analytical model predicts {_fmt(hp)}x at the measured acceptance "
+                         f"(accepted/proposed {_fmt(head.get('acceptance_rate'))}, alpha {_fmt(head.get('alpha'))}, "
+                         f"mean accepted length {_fmt(head.get('mean_accepted_length'))}, mean g "
+                         f"{_fmt(head.get('mean_draft_len'))}, c {_fmt(head.get('cost_ratio_c'), 3)})")
+            if value < thr and hp < thr:
+                parts.append(f"so even without any system overhead the drafter could not reach {thr}x here: the "
+                             "acceptance / cost ratio is the limit")
+            elif value < thr:
+                parts.append(f"the system reaches {_fmt(value / hp)} of that; per step it spends "
+                             f"{_fmt(per.get('client_wall'))} ms at the client vs "
+                             f"{_fmt(per.get('target_verify'))} ms target verify and "
+                             f"{_fmt(per.get('draft_propose'))} ms draft")
+        return "; ".join(parts)
+    if key == "speedup_vs_hf_assisted":
+        anchor = cfgs.get(res.get("hf_anchor") or "", {})
+        return (f"not met: {_fmt(head.get('tokens_per_s'))} tok/s vs {anchor.get('name')} "
+                f"{_fmt(anchor.get('tokens_per_s'))} tok/s in one process (no RPC, no serialisation, no Redis): "
+                f"each specdec step pays >= 2 loopback RPCs ({_fmt(ov.get('grpc_unary_roundtrip_ms'))} ms each for an "
+                f"empty one) and a Redis commit ({_fmt(ov.get('redis_commit_ms'))} ms) against a target step of "
+                f"{_fmt(res.get('microbench', {}).get('target_step_ms'))} ms; HF commits "
+                f"{_fmt(anchor.get('mean_accepted_length'))} tokens per target forward, specdec "
+                f"{_fmt(head.get('mean_accepted_length'))}")
+    if key == "pipelined_faster_than_sequential":
+        seq = cfgs.get(res.get("best_sequential_config") or "", {})
+        return (f"not met: {head.get('name')} {_fmt(head.get('tokens_per_s'))} tok/s vs best sequential "
+                f"{seq.get('name')} {_fmt(seq.get('tokens_per_s'))} tok/s (same policy: "
+                f"{_fmt(res.get('pipelined_vs_sequential_same_policy'))}x); on {res['machine']['cpus']} shared "
+                "CPU cores the draft and target processes compete for the same cores, so overlapping them hides "
+                "little time")
+    if key == "measured_over_predicted":
+        return (f"not met: measured {_fmt(head.get('speedup_vs_target_only'))}x vs predicted {_fmt(hp)}x; the model "
+                f"assumes a verify of g+1 tokens costs one target step and steps cost nothing else. Measured: a "
+                f"verify of 5 tokens costs {_fmt(res.get('microbench', {}).get('verify_cost_vs_step', {}).get('5'))}x "
+                f"a single-token step; per step {_fmt(per.get('client_wall'))} ms at the client vs "
+                f"{_fmt(per.get('target_verify'))} ms target + {_fmt(per.get('draft_propose'))} ms draft "
+                f"(gRPC round trip {_fmt(ov.get('grpc_unary_roundtrip_ms'))} ms, Redis commit "
+                f"{_fmt(ov.get('redis_commit_ms'))} ms)")
+    if key == "throughput_8_sessions_vs_1":
+        rows = [c for c in res["configs"] if c.get("kind") == "sessions" and c.get("sweep") == res.get("sessions_sweep")]
+        r1 = next((r for r in rows if r["sessions"] == 1), {})
+        r8 = next((r for r in rows if r["sessions"] == max(r["sessions"] for r in rows)), {}) if rows else {}
+        return (f"not met: {_fmt(r8.get('tokens_per_s'))} tok/s aggregate at {r8.get('sessions')} sessions vs "
+                f"{_fmt(r1.get('tokens_per_s'))} at 1 ({res['machine']['cpus']} CPU cores, shared with other work; "
+                f"each model service runs {res['settings']['threads']} torch thread); batched verification "
+                f"{'on (--batch-window-ms ' + _fmt(r8.get('batch_window_ms'), 1) + ')' if r8.get('batched_verification') else 'not available'}; "
+                f"target verify per step grew from {_fmt(r1.get('target_verify_ms_per_step'))} to "
+                f"{_fmt(r8.get('target_verify_ms_per_step'))} ms")
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+    from tqdm import tqdm
+
+    from bench.services import BenchServices, available_flags
+    from specdec.client import SpecdecClient
+    from specdec.models import load_model
+    from specdec.stack import StackConfig, resolve_draft_strategy
+
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*")
+    torch.set_num_threads(args.threads)
+    t_begin = time.time()
+    load_begin = os.getloadavg()
+    flags = available_flags()
+    strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
+                                                  draft_model=args.draft_model))
+    target = load_model(args.target_model, device=args.device, dtype=args.dtype)
+    draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy == "model" else None
+    tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
+    prompts: list[Prompt] = select(args.num_prompts)
+    ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
+
+    services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
+                             dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
+                             orchestrators=orchestrator_specs(args, flags),
+                             batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
+                             log_dir=args.log_dir)
+    not_measured: dict[str, str] = {}
+    progress = None
+    session_rows: list[dict] = []
+    try:
+        t0 = time.perf_counter()
+        services.start()
+        startup_s = time.perf_counter() - t0
+        cfgs = build_configs(args, services, target, draft, flags)
+        live = [c for c in cfgs if c.available]
+        first = ids[prompts[0].name]
+        micro = microbench(target, draft, first, args.draft_lens)
+        overheads = measure_overheads(services)
+
+        batched = "target-batched" in services.addresses
+        if not batched:
+            not_measured["batched"] = "the target has no --batch-window-ms flag in this checkout"
+        unbatched = args.unbatched_sweep if args.unbatched_sweep is not None else (not args.quick or not batched)
+        n_sweeps = int(batched) + int(unbatched)
+        jobs = [(prompts[i % len(prompts)].name, ids[prompts[i % len(prompts)].name]) for i in range(args.session_jobs)]
+
+        n_single = len(live) * (1 + args.rounds * len(prompts))
+        n_sessions = n_sweeps * (1 + args.rounds * len(args.sessions))
+        progress = tqdm(total=n_single + n_sessions, file=sys.stderr, disable=args.no_progress, desc="bench",
+                        unit="run", dynamic_ncols=True)
+        for cfg in live:  # warm-up: every configuration once, untimed
+            progress.set_postfix_str(f"warm-up {cfg.name}")
+            _run_one(cfg, first, args.warmup_tokens, prompts[0].name, -1)
+            progress.update(1)
+        for r in range(args.rounds):
+            for pi, prompt in enumerate(prompts):
+                k = (r * len(prompts) + pi) % len(live)
+                for cfg in live[k:] + live[:k]:
+                    if not cfg.available:
+                        progress.update(1)
+                        continue
+                    progress.set_postfix_str(f"round {r + 1} {prompt.name} {cfg.name}")
+                    s = _run_one(cfg, ids[prompt.name], args.max_new_tokens, prompt.name, r)
+                    if s is not None:
+                        cfg.samples.append(s)
+                    progress.update(1)
+
+        # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
+        # speculative one) with its orchestrator flags and draft length.
+        spec = [c for c in cfgs if c.speculative and c.available and c.samples]
+        pipe = [c for c in spec if c.pipelined]
+        head_cfg = max(pipe or spec, key=Config.tokens_per_s) if spec else None
+        sweeps = []
+        if head_cfg is not None:
+            if batched:
+                services.add_orchestrators({"orch-sessions-batched": ("target-batched", head_cfg.orchestrator_extra)})
+                sweeps.append(("sessions-batched", services.addresses["orch-sessions-batched"], True, "target-batched"))
+            if unbatched:
+                sweeps.append(("sessions-unbatched", services.addresses[head_cfg.orchestrator], False, "target"))
+        else:
+            not_measured["throughput_8_sessions_vs_1"] = "no speculative configuration ran"
+        n_max = max(args.sessions)
+        for name, addr, is_batched, tkind in sweeps:
+            clients = [SpecdecClient(addr) for _ in range(n_max)]
+            levels: dict[int, list] = {n: [] for n in args.sessions}
+            g = head_cfg.draft_len or 0
+            try:
+                progress.set_postfix_str(f"warm-up {name}")
+                run_sessions_level(n_max, jobs[:n_max], args.warmup_tokens, clients, g)
+                progress.update(1)
+                for r in range(args.rounds):
+                    order = args.sessions if r % 2 == 0 else list(reversed(args.sessions))
+                    for n in order:
+                        progress.set_postfix_str(f"round {r + 1} {name} x{n}")
+                        wall, samples = run_sessions_level(n, jobs, args.max_new_tokens, clients, g)
+                        for s in samples:
+                            s.round = r
+                        levels[n].append((wall, samples))
+                        progress.update(1)
+                session_rows += summarise_sessions(name, tkind, levels, is_batched, head_cfg,
+                                                   services.orchestrator_flags(head_cfg.orchestrator_extra),
+                                                   args.batch_window_ms if is_batched else None)
+            except Exception as e:  # noqa: BLE001
+                log.error("%s failed: %s", name, e)
+                session_rows.append({"name": name, "kind": "sessions", "sweep": name, "available": False,
+                                     "reason": f"failed during the run: {type(e).__name__}: {str(e)[:300]}"})
+            finally:
+                for c in clients:
+                    c.close()
+    finally:
+        if progress is not None:
+            progress.close()
+        services.stop()
+
+    baseline = next(c for c in cfgs if c.name == "specdec-target-only")
+    reference = {}
+    for s in baseline.samples:
+        reference.setdefault(s.prompt, s.tokens)
+    rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
+    res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
+    res["machine"].update(load_average_begin=load_begin, load_average_end=os.getloadavg(),
+                          service_startup_s=startup_s, total_s=time.time() - t_begin)
+    res["targets"] = evaluate_targets(res)
+    return res
+
+
+def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured) -> dict:
+    import torch
+    import transformers
+
+    by = {r["name"]: r for r in rows}
+    ok = lambda r: r.get("available") and r.get("tokens_per_s")  # noqa: E731
+    pipelined = [r for r in rows if r["kind"] == "specdec-pipelined" and ok(r)]
+    sequential = [r for r in rows if r["kind"] == "specdec-sequential" and ok(r)]
+    if pipelined:
+        head = max(pipelined, key=lambda r: r["tokens_per_s"])
+    else:
+        head = max(sequential, key=lambda r: r["tokens_per_s"]) if sequential else None
+        not_measured["pipelined_speedup_vs_target_only"] = next(
+            (r.get("reason", "") for r in rows if r["kind"] == "specdec-pipelined"), "no pipelined configuration")
+        not_measured["pipelined_faster_than_sequential"] = not_measured["pipelined_speedup_vs_target_only"]
+    best_seq = max(sequential, key=lambda r: r["tokens_per_s"]) if sequential else None
+    hf_anchor = by.get("hf-assisted") if ok(by.get("hf-assisted", {})) else by.get("hf-prompt-lookup")
+    if hf_anchor is not None and not ok(hf_anchor):
+        hf_anchor = None
+    sweep_name = next((n for n in ("sessions-batched", "sessions-unbatched")
+                       if any(r.get("sweep") == n and r.get("available") for r in session_rows)), None)
+    sweep = [r for r in session_rows if r.get("sweep") == sweep_name and r.get("available")]
+    s1 = next((r for r in sweep if r["sessions"] == 1), None)
+    smax = max(sweep, key=lambda r: r["sessions"]) if sweep else None
+    if smax is None:
+        not_measured["throughput_8_sessions_vs_1"] = next((r.get("reason", "") for r in session_rows), "no sweep ran")
+    head_tps = head["tokens_per_s"] if head else None
+    same_policy = None
+    if head and head["kind"] == "specdec-pipelined":
+        twin = by.get(head["name"].replace("-pipe-", "-seq-"))
+        same_policy = analysis.ratio(head_tps, twin.get("tokens_per_s")) if twin and ok(twin) else None
+    res = {
+        "benchmark": "specdec",
+        "command": None,  # set by main()
+        "mode": "quick" if args.quick else "full",
+        "headline_config": head["name"] if head else None,
+        "headline_is_pipelined": bool(head and head["kind"] == "specdec-pipelined"),
+        "speedup_vs_target_only": head.get("speedup_vs_target_only") if head else None,
+        "speedup_vs_hf_assisted": analysis.ratio(head_tps, hf_anchor["tokens_per_s"]) if head and hf_anchor else None,
+        "hf_anchor": hf_anchor["name"] if hf_anchor else None,
+        "speedup_vs_hf_prompt_lookup": analysis.ratio(head_tps, by.get("hf-prompt-lookup", {}).get("tokens_per_s"))
+        if head else None,
+        "speedup_vs_hf_target_only": analysis.ratio(head_tps, by.get("hf-target-only", {}).get("tokens_per_s"))
+        if head else None,
+        "pipelined_vs_sequential": (analysis.ratio(head_tps, best_seq["tokens_per_s"])
+                                    if head and head["kind"] == "specdec-pipelined" and best_seq else None),
+        "best_sequential_config": best_seq["name"] if best_seq else None,
+        "pipelined_vs_sequential_same_policy": same_policy,
+        "acceptance_rate": head.get("acceptance_rate") if head else None,
+        "alpha": head.get("alpha") if head else None,
+        "mean_accepted_length": head.get("mean_accepted_length") if head else None,
+        "predicted_speedup": head.get("predicted_speedup") if head else None,
+        "measured_over_predicted": head.get("measured_over_predicted") if head else None,
+        "tokens_per_s": head_tps,
+        "target_only_tokens_per_s": by["specdec-target-only"].get("tokens_per_s"),
+        "throughput_8_sessions_vs_1": analysis.ratio(smax["tokens_per_s"], s1["tokens_per_s"]) if smax and s1 else None,
+        "sessions_sweep": sweep_name,
+        "max_sessions": smax["sessions"] if smax else None,
+        "draft": {"strategy": strategy, "model": args.draft_model if strategy == "model" else None,
+                  "note": None if strategy == "model" else
+                  f"{args.draft_model!r} is not in the cache (run `specdec distill`), so the services draft with the "
+                  "n-gram prompt-lookup drafter and HF prompt lookup is the in-process anchor"},
+        "flags_available": flags,
+        "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,
+                     "prompts": [{"name": p.name, "kind": p.kind, "prompt_tokens": len(ids[p.name])} for p in prompts],
+                     "rounds": args.rounds, "draft_lens": args.draft_lens, "sessions": args.sessions,
+                     "session_jobs": args.session_jobs, "batch_window_ms": args.batch_window_ms
+                     if flags["target --batch-window-ms"] else None, "threads": args.threads,
+                     "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
+                     "timing": "client wall time per generation (request sent -> final message), prefill included; "
+                               "tokens/s = all generated tokens / all wall time of a configuration",
+                     "interleaving": "every prompt runs every configuration back to back, the order rotated by one "
+                                     "per prompt; session counts alternate order per round"},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "device": str(getattr(draft, "device", None) or args.device)},
+        "microbench": micro,
+        "overheads": overheads,
+        "not_measured": not_measured,
+        "configs": rows + session_rows,
+    }
+    return res
+
+
+def write_outputs(res: dict, out_dir: str | os.PathLike) -> dict[str, str]:
+    from bench.report import markdown, plot
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "latest.json", "markdown": out / "latest.md", "plot": out / "latest.png"}
+    paths["json"].write_text(json.dumps(res, indent=2, default=float) + "\n")
+    paths["markdown"].write_text(markdown(res))
+    plot(res, paths["plot"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    res = run(args)
+    res["command"] = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["outputs"] = write_outputs(res, args.out_dir)
+    if args.json:
+        print(json.dumps(res, indent=2, default=float))
+    else:
+        print(open(res["outputs"]["markdown"]).read())
+    return 0

@@ -1,0 +1,140 @@
+"""The specdec services the benchmark talks to: one Redis, one target, one draft and several orchestrators.
+
+All are real processes on loopback (children of the benchmark), started with the same
+``specdec serve`` command lines as :class:`specdec.stack.LocalStack`. Orchestrators differ only in
+their flags and share the target, the draft and Redis, so a configuration switch costs no model load:
+
+* ``sequential``: ``--draft-len 4 --adaptive-draft-len``. A request with ``max_draft_len = g`` runs a fixed
+  draft length g; ``max_draft_len = 0`` runs the adaptive schedule; ``speculation = off`` is target-only.
+* ``pipelined``: the same plus ``--pipeline`` (when the orchestrator has that flag).
+* ``sessions``: the headline orchestrator flags, pointed at a second target started with
+  ``--batch-window-ms`` (when the target has that flag) for the concurrency sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import tempfile
+from dataclasses import dataclass, field
+
+from specdec.redis_server import RedisServer
+from specdec.stack import ServiceProcess, StackConfig, resolve_draft_strategy
+
+log = logging.getLogger("bench")
+
+
+def _parser(add_arguments) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return p
+
+
+def available_flags() -> dict:
+    """Which optional service flags this checkout's services accept (asked of their own argument parsers).
+
+    ``pipeline_modes``: the orchestrator arguments that turn pipelining on: ``["--pipeline", "on"]`` and
+    ``["--pipeline", "auto"]`` for a ``--pipeline {off,on,auto}`` option, ``["--pipeline"]`` for a switch."""
+    out = {"orchestrator --pipeline": False, "orchestrator --adaptive-draft-len": False,
+           "target --batch-window-ms": False, "pipeline_modes": {}}
+    try:
+        from orchestrator.server import add_arguments as orch_args
+
+        actions = _parser(orch_args)._option_string_actions
+        out["orchestrator --adaptive-draft-len"] = "--adaptive-draft-len" in actions
+        a = actions.get("--pipeline")
+        if a is not None:
+            out["orchestrator --pipeline"] = True
+            if a.nargs == 0:
+                out["pipeline_modes"] = {"on": ["--pipeline"]}
+            elif a.choices:
+                out["pipeline_modes"] = {m: ["--pipeline", m] for m in a.choices if m in ("on", "auto")}
+            else:
+                out["pipeline_modes"] = {"on": ["--pipeline", "on"]}
+    except Exception as e:  # noqa: BLE001 - a half-edited module just means "not available"
+        log.warning("could not read orchestrator flags: %s", e)
+    try:
+        from target_service.server import add_arguments as target_args
+
+        out["target --batch-window-ms"] = "--batch-window-ms" in _parser(target_args)._option_string_actions
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not read target flags: %s", e)
+    return out
+
+
+@dataclass
+class BenchServices:
+    target_model: str
+    draft_model: str
+    draft_strategy: str = "auto"
+    threads: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    adaptive: bool = True
+    orchestrators: dict = field(default_factory=dict)  # name -> (target process name, extra flags)
+    batch_window_ms: float | None = None  # start a second, batching target for the sessions sweep
+    log_dir: str | None = None
+    redis: RedisServer | None = None
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.strategy = resolve_draft_strategy(StackConfig(target_model=self.target_model,
+                                                           draft_strategy=self.draft_strategy,
+                                                           draft_model=self.draft_model))
+        self.dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="specdec-bench-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _common(self) -> list[str]:
+        return ["--threads", str(self.threads), "--device", self.device, "--dtype", self.dtype]
+
+    def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
+        p = ServiceProcess(name, args, self.dir).start()
+        self.procs[name] = p
+        return p
+
+    def orchestrator_flags(self, extra: list[str] = ()) -> list[str]:
+        return ["--draft-len", "4", *(["--adaptive-draft-len"] if self.adaptive else []), *extra]
+
+    def add_orchestrators(self, specs: dict, timeout: float = 300.0) -> None:
+        """Start orchestrators {name: (target process name, extra flags)} against the running services."""
+        for name, (target, extra) in specs.items():
+            self._spawn(name, ["orchestrator", "--listen", "127.0.0.1:0", "--target", self.addresses[target],
+                               "--draft", self.addresses["draft"], "--redis", self.redis.url,
+                               *self.orchestrator_flags(extra)])
+        for name in specs:
+            self.addresses[name] = self.procs[name].wait_ready(timeout)
+
+    def start(self, timeout: float = 600.0) -> "BenchServices":
+        try:
+            self.redis = RedisServer(data_dir=str(self.dir / "redis")).start()
+            self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common()])
+            if self.batch_window_ms is not None:
+                self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
+                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms)])
+            dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
+            dargs += ["--model", self.draft_model] if self.strategy == "model" else ["--vocab-from", self.target_model]
+            self._spawn("draft", dargs)
+            for name in list(self.procs):
+                self.addresses[name] = self.procs[name].wait_ready(timeout)
+            self.add_orchestrators(self.orchestrators, timeout)
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in reversed(list(self.procs.values())):
+            p.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def logs(self, n: int = 20) -> str:
+        return "\n".join(f"--- {name} ---\n{p.tail(n)}" for name, p in self.procs.items())
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

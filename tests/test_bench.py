@@ -1,0 +1,148 @@
+"""The benchmark machinery (`python -m bench`) end to end on tiny random models: real services on loopback,
+HF anchors in-process, the concurrency sweep, the JSON / markdown / PNG outputs. Checks structure and that
+every ratio is computed from the measured tokens/s -- never the numbers themselves (tiny models say
+nothing about speed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import analysis
+from bench.runner import TARGETS, main
+from specdec.sampling import expected_accepted_length, speculative_speedup
+
+TARGET = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
+DRAFT = "tiny:vocab=64,layers=1,hidden=64,seed=0,std=0.3"
+HEADLINE_KEYS = ("speedup_vs_target_only", "speedup_vs_hf_assisted", "pipelined_vs_sequential", "acceptance_rate",
+                 "measured_over_predicted", "throughput_8_sessions_vs_1")
+
+
+def close(a, b, rel=1e-9):
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def test_predicted_speedup_is_the_leviathan_formula():
+    for a in (0.0, 0.3, 0.55, 0.8, 0.97, 1.0):
+        for g in (1, 2, 3, 4, 6, 8):
+            for c in (0.0, 0.05, 0.2, 1.0):
+                ref = speculative_speedup(a, g, c)
+                assert analysis.predicted_speedup(a, g, c) == ref
+                assert analysis.predicted_speedup(a, float(g), c) == ref
+                if a < 1:
+                    assert math.isclose(ref, (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)), rel_tol=1e-12)
+                # Real-valued g (adaptive draft length) uses the same closed form, continuous in g.
+                assert math.isclose(analysis.predicted_speedup(a, g + 1e-9, c), ref, rel_tol=1e-6)
+                # No plain steps: identical to the formula.
+                assert analysis.predicted_speedup_with_plain_steps(a, g, c, 10, 0) == ref
+
+
+def test_alpha_inverts_the_expected_accepted_length():
+    for a in (0.1, 0.5, 0.77, 0.95):
+        for g in (2, 4, 6):
+            mal = expected_accepted_length(a, g)
+            assert math.isclose(analysis.alpha_from_accepted_length(mal, g), a, abs_tol=1e-9)
+    assert analysis.alpha_from_accepted_length(1.0, 4) == 0.0
+    assert analysis.alpha_from_accepted_length(5.0, 4) == 1.0
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["--quick", "--json", "--no-progress", "--target-model", TARGET, "--draft-model", DRAFT,
+                   "--draft-strategy", "model", "--num-prompts", "2", "--max-new-tokens", "10", "--warmup-tokens", "4",
+                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--out-dir", str(out)])
+    assert rc == 0
+    return json.loads(buf.getvalue()), out
+
+
+def test_bench_json_keys_and_targets(bench_run):
+    res, _ = bench_run
+    for key in HEADLINE_KEYS + ("configs", "targets", "headline_config", "microbench", "overheads"):
+        assert key in res, key
+    assert set(res["targets"]) == {k for k, _, _ in TARGETS}
+    for t in res["targets"].values():
+        assert t["met"] in (True, False, None)
+        if t["met"] is not True:
+            assert t["why"], t  # every missed or unmeasured target says why
+    names = {c["name"] for c in res["configs"]}
+    assert {"specdec-target-only", "hf-target-only", "hf-assisted", "hf-prompt-lookup", "specdec-seq-g2",
+            "specdec-seq-g3", "specdec-pipe-adaptive"} <= names
+    assert res["draft"]["strategy"] == "model"
+    assert res["settings"]["max_new_tokens"] == 10 and len(res["settings"]["prompts"]) == 2
+
+
+def test_bench_ratios_come_from_the_measured_tokens_per_second(bench_run):
+    res, _ = bench_run
+    by = {c["name"]: c for c in res["configs"]}
+    base = by["specdec-target-only"]
+    assert base["available"] and base["tokens"] > 0
+    for c in res["configs"]:
+        if c.get("kind") == "sessions" or not c.get("available"):
+            continue
+        assert close(c["tokens_per_s"], c["tokens"] / c["wall_s"])
+        assert close(c["speedup_vs_target_only"], c["tokens_per_s"] / base["tokens_per_s"])
+        if c["kind"] in ("specdec-sequential", "specdec-pipelined") and c.get("predicted_speedup") is not None:
+            st = c["service_stats"]
+            assert close(c["acceptance_rate"], st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
+            v = st["verify_steps"]
+            assert close(c["mean_accepted_length"], (st["draft_tokens_accepted"] + v) / v)
+            assert close(c["mean_draft_len"], st["draft_tokens_proposed"] / v)
+            assert math.isclose(analysis.accepted_length(c["alpha"], c["mean_draft_len"]),
+                                min(c["mean_accepted_length"], c["mean_draft_len"] + 1), rel_tol=1e-6) \
+                or c["alpha"] in (0.0, 1.0)
+            pred = analysis.predicted_speedup_with_plain_steps(c["alpha"], c["mean_draft_len"], c["cost_ratio_c"],
+                                                               int(v), int(st["decode_steps"]))
+            assert close(c["predicted_speedup"], pred)
+            if not st["decode_steps"]:
+                assert close(c["predicted_speedup"],
+                             (1 - c["alpha"] ** (c["mean_draft_len"] + 1)) / ((1 - c["alpha"])
+                              * (c["mean_draft_len"] * c["cost_ratio_c"] + 1)), rel=1e-6) or c["alpha"] == 1.0
+            assert close(c["measured_over_predicted"], c["speedup_vs_target_only"] / c["predicted_speedup"])
+
+    head = by[res["headline_config"]]
+    assert close(res["speedup_vs_target_only"], head["tokens_per_s"] / base["tokens_per_s"])
+    assert close(res["acceptance_rate"], head.get("acceptance_rate"))
+    if res["measured_over_predicted"] is not None:
+        assert close(res["measured_over_predicted"], head["speedup_vs_target_only"] / head["predicted_speedup"])
+    anchor = by[res["hf_anchor"]]
+    assert close(res["speedup_vs_hf_assisted"], head["tokens_per_s"] / anchor["tokens_per_s"])
+    if res["headline_is_pipelined"]:
+        assert head["kind"] == "specdec-pipelined"
+        fastest = max((c for c in res["configs"] if c.get("kind") == "specdec-pipelined" and c.get("available")),
+                      key=lambda c: c["tokens_per_s"])
+        assert fastest["name"] == head["name"]
+        seq = by[res["best_sequential_config"]]
+        assert seq["tokens_per_s"] == max(c["tokens_per_s"] for c in res["configs"]
+                                          if c.get("kind") == "specdec-sequential" and c.get("available"))
+        assert close(res["pipelined_vs_sequential"], head["tokens_per_s"] / seq["tokens_per_s"])
+    else:
+        assert res["pipelined_vs_sequential"] is None and res["targets"]["pipelined_faster_than_sequential"]["met"] is None
+
+    rows = [c for c in res["configs"] if c.get("kind") == "sessions" and c.get("sweep") == res["sessions_sweep"]]
+    by_n = {r["sessions"]: r for r in rows}
+    assert set(by_n) == {1, 8}
+    for r in rows:
+        assert r["tokens"] > 0 and close(r["tokens_per_s"], r["tokens"] / r["wall_s"])
+    assert close(res["throughput_8_sessions_vs_1"], by_n[8]["tokens_per_s"] / by_n[1]["tokens_per_s"])
+    for key, thr, _ in TARGETS:
+        t = res["targets"][key]
+        if t["value"] is not None:
+            assert t["met"] == (t["value"] > thr if key == "pipelined_faster_than_sequential" else t["value"] >= thr)
+
+
+def test_bench_writes_table_and_plot(bench_run):
+    res, out = bench_run
+    md = (out / "latest.md").read_text()
+    assert "| configuration | g | tokens/s | speedup |" in md and "## Targets" in md
+    assert "specdec-target-only" in md or "specdec target-only" in md
+    png = (out / "latest.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert json.loads((out / "latest.json").read_text())["headline_config"] == res["headline_config"]

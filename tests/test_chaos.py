@@ -1,0 +1,96 @@
+"""The chaos suite, quick version: every scenario on one shared stack of real processes (docs/chaos.md).
+
+One `python -m chaos --scenario all --quick --json` run (about 2 minutes here) feeds one test per scenario.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from chaos import DRAFT_FAULTS, SCENARIOS
+from chaos.report import markdown
+from chaos.scenarios import checks
+
+RUN_TIMEOUT_S = 420  # the budget is well under 3 minutes; this only stops a hung run
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("chaos-logs")
+    cmd = [sys.executable, "-m", "chaos", "--scenario", "all", "--quick", "--json", "--seed", "0",
+           "--log-dir", str(log_dir)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"chaos run exceeded {RUN_TIMEOUT_S} s; logs in {log_dir}; output so far:\n{e.stdout}")
+    (log_dir / "results.jsonl").write_text(out.stdout)
+    parsed = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            res = json.loads(line)
+            parsed[res["scenario"]] = res
+    assert parsed, f"no results (rc {out.returncode}); stderr:\n{out.stderr[-3000:]}"
+    return parsed
+
+
+def _why(res: dict) -> str:
+    keep = ("checks", "failures", "errors", "store_notes", "stalls", "fault", "baseline", "log_problems", "log_dir",
+            "request_detail", "error")
+    return json.dumps({k: res.get(k) for k in keep}, indent=1)[:6000]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(results, name):
+    assert name in results, f"{name} produced no result"
+    res = results[name]
+    assert "error" not in res, _why(res)
+    for key in ("scenario", "requests", "completed", "failed", "mismatched_tokens", "fallback_steps",
+                "speculation_resumed", "max_stall_ms", "draft_failures_by_kind", "replica_failovers", "duration_s",
+                "p50_latency_ms", "p95_latency_ms"):
+        assert key in res, key
+    # Every scenario: every request completes (a resumed one counts), no token lost, changed or duplicated,
+    # and the store holds exactly what each client received.
+    assert res["requests"] > 0 and res["completed"] == res["requests"] and res["failed"] == 0, _why(res)
+    assert res["mismatched_tokens"] == 0, _why(res)
+    assert res["duplicated_or_lost_offsets"] == 0, _why(res)
+    assert res["store_mismatches"] == 0, _why(res)
+    assert res["fault"]["error"] is None and res["fault"]["settled"], _why(res)
+    # After the heal, requests verify drafts again and the draft is accepted again.
+    assert res["speculation_resumed"] is True, _why(res)
+    assert res["post_heal_requests"] > 0 and res["post_heal_accepted_tokens"] > 0, _why(res)
+    if name in DRAFT_FAULTS:
+        # A draft fault never breaks a stream and costs at most a bounded stall: the draft deadline plus a
+        # few target steps (bound computed in the same run from the flags and the measured step).
+        assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)
+        assert res["draft_failures"] > 0, _why(res)
+        assert res["stall_bound_ms"] > 0 and res["max_stall_ms"] <= res["stall_bound_ms"], _why(res)
+        if name == "kill_all_drafts":
+            assert res["fallback_steps"] > 0, _why(res)  # no replica left: target-only decoding
+        else:
+            assert res["replica_failovers"] > 0, _why(res)  # sessions moved to the surviving replica
+    elif name == "kill_target":
+        assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)  # streams just paused
+        assert res["target_resyncs"] > 0, _why(res)  # the restarted target rebuilt the caches
+        assert res["fault"]["outage_s"] < res["config"]["target_grace_s"], _why(res)
+    elif name == "redis_restart":
+        assert res["resumes"] == 0, _why(res)  # in-flight streams waited for the store
+        assert res["fault"]["outage_s"] < res["config"]["store_grace_s"], _why(res)
+    elif name == "kill_orchestrator":
+        assert res["resumes"] > 0 and res["resumed_streams"] > 0, _why(res)  # streams resumed by session id
+    assert res["ok"] is True and all(res["checks"].values()), _why(res)
+
+
+def test_checks_and_report_without_services():
+    res = {"scenario": "kill_draft", "requests": 3, "completed": 3, "failed": 0, "mismatched_tokens": 0,
+           "duplicated_or_lost_offsets": 0, "store_mismatches": 0, "speculation_resumed": True,
+           "fault": {"error": None, "settled": True, "outage_s": 2.0}, "max_stall_ms": 90.0,
+           "stall_bound_ms": 200.0, "resumes": 0, "retried_requests": 0, "draft_failures": 2,
+           "fallback_steps": 1, "replica_failovers": 1, "healed_replica": None, "config": {}}
+    assert all(checks(res).values())
+    assert not checks({**res, "max_stall_ms": 250.0})["stall_within_bound"]
+    assert not checks({**res, "mismatched_tokens": 1})["no_mismatched_tokens"]
+    assert not checks({**res, "resumes": 1})["streams_never_broken"]
+    table = markdown([{**res, "ok": True}])
+    assert table.splitlines()[2].startswith("| kill_draft | 3 | 3 | 0 | 0 |")
