@@ -51,6 +51,7 @@ class LoopConfig:
     max_draft_len: int = 16
     adaptive_draft_len: bool = False   # per-session heuristic: grow on full acceptance, shrink on rejection
     pipeline: str = "off"              # off | on | auto (prefetch only after a fully accepted block)
+    draft_min_confidence: float = 0.0  # the draft stops early when its top probability falls below (llama.cpp p-min)
     fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
     draft_timeout_floor_ms: float = 50.0
     draft_timeout_factor: float = 2.0  # x the measured target step: a slower draft is no help
@@ -195,7 +196,8 @@ class Generation:
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
-                                               self.seed, rec.step, self._draft_timeout_s())
+                                               self.seed, rec.step, self._draft_timeout_s(),
+                                               self.cfg.draft_min_confidence)
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             self._draft_failed(replica, kind, e.details())

@@ -314,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
     p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
     p.add_argument("--adaptive-draft-len", action="store_true", help="adapt the draft length per session")
+    p.add_argument("--draft-min-confidence", type=float, default=0.0,
+                   help="the draft stops a block early when its top probability is below this (0 = never)")
     p.add_argument("--pipeline", choices=["off", "on", "auto"], default="off",
                    help="draft the next block while the target verifies (auto: only after a fully accepted block)")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
@@ -338,6 +340,7 @@ def serve(args: argparse.Namespace) -> None:
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
+                     draft_min_confidence=args.draft_min_confidence,
                      fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)

@@ -110,3 +110,20 @@ def test_pipelined_sampling_is_reproducible_and_valid(redis_url):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 30
     finally:
         s.stop()
+
+
+def test_min_confidence_and_adaptive_length_keep_output(redis_url):
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_min_confidence=0.6,
+                     draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg)
+    try:
+        for prompt in PROMPTS:
+            ref = s.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+            got = s.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert got.token_ids == ref.token_ids
+            # Low-confidence drafts stop early: fewer tokens proposed per verify than the fixed length.
+            assert got.stats["draft_tokens_proposed"] < 4 * got.stats["verify_steps"]
+    finally:
+        s.stop()
