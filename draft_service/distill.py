@@ -480,6 +480,7 @@ class TeacherData:
     hidden: list[torch.Tensor | None] = field(default_factory=list)  # teacher final normed hidden (float16)
 
     _FIELDS = ("seqs", "starts", "topk_idx", "topk_logp", "kinds", "hidden")
+    truncated: bool = False  # a time budget cut the teacher pass short (never cached)
 
     def add(self, seq: torch.Tensor, start: int, logits: torch.Tensor, k: int, kind: str,
             hidden: torch.Tensor | None = None) -> None:
@@ -498,6 +499,7 @@ class TeacherData:
     def extend(self, other: "TeacherData") -> None:
         for name in self._FIELDS:
             getattr(self, name).extend(getattr(other, name))
+        self.truncated = self.truncated or other.truncated
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -571,9 +573,12 @@ class _FinalHidden:
 @torch.no_grad()
 def teacher_text_data(
     teacher: Any, tokenizer: Any, texts: Sequence[str], max_tokens: int, seq_len: int, batch: int, k: int,
-    progress: bool = True,
+    progress: bool = True, deadline: float | None = None,
 ) -> TeacherData:
-    """Teacher distributions on fixed-length windows cut from the concatenated texts."""
+    """Teacher distributions on fixed-length windows cut from the concatenated texts.
+
+    Stops (``data.truncated``) before a batch that would start after ``deadline`` (``time.monotonic()``).
+    """
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream: list[int] = []
     for t in texts:
@@ -586,6 +591,10 @@ def teacher_text_data(
     data = TeacherData()
     dev = next(teacher.parameters()).device
     for i in _tqdm(range(0, len(windows), batch), desc="teacher: offline text", unit="batch", disable=not progress):
+        if deadline is not None and time.monotonic() > deadline:
+            logger.warning("time budget: offline text cut short after %d of %d windows", i, len(windows))
+            data.truncated = True
+            break
         x = torch.stack(windows[i:i + batch]).to(dev)
         with _FinalHidden(teacher, last_only=False) as cap:
             logits = teacher(input_ids=x).logits
@@ -599,14 +608,15 @@ def teacher_text_data(
 def teacher_generations(
     teacher: Any, tokenizer: Any, prompts: Sequence[str], max_new: int, batch: int, k: int, *,
     sample_mask: Sequence[bool] | None = None, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-    kind: str = "gen", progress: bool = True, desc: str = "teacher: generations",
+    kind: str = "gen", progress: bool = True, desc: str = "teacher: generations", deadline: float | None = None,
 ) -> TeacherData:
     """Continue each chat-templated prompt with the teacher (greedy, or sampled where ``sample_mask``).
 
     Records the teacher's raw (temperature-1) logits at every generated
     position.  Prompts are batched (left padding) in order of length; sampled
     batches are seeded from ``seed`` and the batch index, so the result is
-    reproducible.
+    reproducible.  Batches run in a seeded shuffled order; none starts after
+    ``deadline`` (``time.monotonic()``; then ``data.truncated`` is set).
     """
     eos = _eos_ids(teacher, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -619,7 +629,13 @@ def teacher_generations(
         order = sorted((i for i in range(len(enc)) if sample_mask[i] == mode), key=lambda i: (len(enc[i]), i))
         groups += [(mode, order[j:j + batch]) for j in range(0, len(order), batch)]
     results: dict[int, tuple[torch.Tensor, int, torch.Tensor, str]] = {}
-    for gi, (do_sample, idxs) in enumerate(_tqdm(groups, desc=desc, unit="batch", disable=not progress)):
+    groups = [(gi, mode, idxs) for gi, (mode, idxs) in enumerate(groups)]
+    random.Random(f"batches-{seed}").shuffle(groups)
+    for done, (gi, do_sample, idxs) in enumerate(_tqdm(groups, desc=desc, unit="batch", disable=not progress)):
+        if deadline is not None and time.monotonic() > deadline:
+            logger.warning("time budget: generations cut short after %d of %d batches", done, len(groups))
+            data.truncated = True
+            break
         L = max(len(enc[i]) for i in idxs)
         ids = torch.full((len(idxs), L), pad, dtype=torch.long)
         att = torch.zeros((len(idxs), L), dtype=torch.long)
@@ -1174,9 +1190,20 @@ def _teacher_key(teacher: Any, tokenizer: Any, cfg: DistillConfig, texts: Sequen
 
 def build_teacher_data(
     teacher: Any, tokenizer: Any, cfg: DistillConfig, texts: Sequence[str], prompts: Sequence[str],
-    heldout_prompts: Sequence[str], cache_path: pathlib.Path | None = None,
+    heldout_prompts: Sequence[str], cache_path: pathlib.Path | None = None, started_at: float | None = None,
 ) -> tuple[TeacherData, TeacherData, dict[str, float]]:
-    """(train data, held-out data, stage timings); loads / stores ``cache_path`` if given."""
+    """(train data, held-out data, stage timings); loads / stores ``cache_path`` if given.
+
+    With ``cfg.total_budget_s``, training-prompt generations stop starting new
+    batches after 50% of the total budget and offline text after 58% (counted
+    from ``started_at``), so a slow / busy machine still leaves time to train;
+    held-out generations always run.  Truncated data is not cached.
+    """
+    started_at = time.monotonic() if started_at is None else started_at
+    gen_deadline = text_deadline = None
+    if cfg.total_budget_s:
+        gen_deadline = started_at + 0.50 * cfg.total_budget_s
+        text_deadline = started_at + 0.58 * cfg.total_budget_s
     if cache_path is not None and cache_path.is_file():
         try:
             blob = torch.load(cache_path, weights_only=True)
@@ -1193,13 +1220,13 @@ def build_teacher_data(
         teacher, tokenizer, prompts, cfg.gen_max_new, cfg.gen_batch, cfg.topk,
         sample_mask=[i in sampled for i in range(len(prompts))], temperature=cfg.sample_temperature,
         top_p=cfg.sample_top_p, seed=cfg.seed, kind="gen", progress=cfg.progress,
-        desc="teacher: generations (train prompts)",
+        desc="teacher: generations (train prompts)", deadline=gen_deadline,
     )
     timings["teacher_generations_s"] = time.monotonic() - t
     t = time.monotonic()
     if texts and cfg.text_tokens > 0:
         train.extend(teacher_text_data(teacher, tokenizer, texts, cfg.text_tokens, cfg.text_seq_len, cfg.text_batch,
-                                       cfg.topk, progress=cfg.progress))
+                                       cfg.topk, progress=cfg.progress, deadline=text_deadline))
     timings["teacher_text_s"] = time.monotonic() - t
     t = time.monotonic()
     held = teacher_generations(
@@ -1207,7 +1234,9 @@ def build_teacher_data(
         progress=cfg.progress, desc="teacher: generations (held-out prompts)",
     )
     timings["teacher_heldout_s"] = time.monotonic() - t
-    if cache_path is not None:
+    if train.truncated:
+        timings["teacher_data_truncated_by_budget"] = 1.0
+    if cache_path is not None and not train.truncated:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_path.with_suffix(f".tmp-{os.getpid()}")
         torch.save({"train": train.state(), "heldout": held.state()}, tmp)
@@ -1240,7 +1269,8 @@ def run_distillation(
     teacher.eval()
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (_eos_ids(teacher, tokenizer) or [0])[0]
-    train, held, timings = build_teacher_data(teacher, tokenizer, cfg, texts, prompts, heldout_prompts, teacher_cache)
+    train, held, timings = build_teacher_data(teacher, tokenizer, cfg, texts, prompts, heldout_prompts, teacher_cache,
+                                              started_at=started_at)
     basis = hidden_pca(train, cfg.hidden) if cfg.init == "hidden-pca" or cfg.mse_weight > 0 else None
     student = build_student(teacher, cfg, basis)
     n_params = sum(p.numel() for p in student.parameters())

@@ -410,6 +410,7 @@ class Generation:
             rec.stats["wall_ms"] += step_ms
             if degraded:
                 rec.stats["degraded_ms"] += step_ms
+                metrics.record_degraded(step_ms / 1e3)
             self._store(store, lambda: store.commit(rec, kept))  # stored before the client sees it
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None

@@ -19,6 +19,8 @@ def _instruments():
                                             description="draft tokens proposed, by position in the block"),
         "failovers": meter.create_counter("specdec.draft.replica_failovers", unit="{failover}",
                                           description="sessions moved to another draft replica"),
+        "degraded": meter.create_counter("specdec.degraded.duration", unit="s",
+                                         description="wall time spent decoding target-only because drafts failed"),
     }
 
 
@@ -36,3 +38,7 @@ def record_acceptance(proposed: int, accepted: int) -> None:
 
 def record_failover() -> None:
     _instruments()["failovers"].add(1)
+
+
+def record_degraded(seconds: float) -> None:
+    _instruments()["degraded"].add(seconds)

@@ -275,8 +275,9 @@ def _failure_mode(servicer, view: dict) -> dict:
                          "step) until a replica answers again. Output is unchanged; only speed drops"),
         "draftDeadline": (f"max({_cfg(cfg, 'draft_timeout_floor_ms', 50.0):g} ms, "
                           f"{_cfg(cfg, 'draft_timeout_factor', 2.0):g} x the measured target step time); "
-                          f"{_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms for a replica's first call per "
-                          "session (it prefills the prompt)"),
+                          "x (1 + context/128) when the replica must first prefill the context (new session, "
+                          f"failover); {_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms before any target "
+                          "step has been measured"),
         "targetFailure": (f"the target is required: a step waits up to {_cfg(cfg, 'target_grace_s', 15.0):g} s for an "
                           "unavailable target to come back, then ends the stream with UNAVAILABLE; committed tokens "
                           "are in the session store, so the client resumes with resume_session_id"),

@@ -64,7 +64,7 @@ def test_scenario(results, name):
         # A draft fault never breaks a stream and costs at most a bounded stall: the draft deadline plus a
         # few target steps (bound computed in the same run from the flags and the measured step).
         assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)
-        assert res["draft_failures"] > 0, _why(res)
+        assert res["draft_failures"] + res["replica_failovers"] > 0, _why(res)  # live streams were hit
         assert res["stall_bound_ms"] > 0 and res["max_stall_ms"] <= res["stall_bound_ms"], _why(res)
         if name == "kill_all_drafts":
             assert res["fallback_steps"] > 0, _why(res)  # no replica left: target-only decoding
