@@ -43,14 +43,31 @@ def predicted_speedup(a: float, g: float, c: float) -> float:
     return accepted_length(a, g) / (g * c + 1.0)
 
 
-def predicted_speedup_with_plain_steps(a: float, g: float, c: float, verify_steps: int, plain_steps: int) -> float:
+def predicted_speedup_with_plain_steps(a: float, g: float, c: float, verify_steps: int, plain_steps: int,
+                                       verify_cost: float = 1.0) -> float:
     """The same model when some steps had no draft (an n-gram drafter without a match decodes one
-    target token, cost 1): tokens / cost over all steps. Equal to predicted_speedup when plain_steps == 0."""
-    if plain_steps <= 0:
+    target token, cost 1): tokens / cost over all steps. Equal to predicted_speedup when plain_steps == 0
+    and verify_cost == 1. ``verify_cost``: a verify forward over g+1 tokens in target steps (the
+    paper's model takes 1; on a CPU it is more)."""
+    if plain_steps <= 0 and verify_cost == 1.0:
         return predicted_speedup(a, g, c)
     tokens = verify_steps * accepted_length(a, g) + plain_steps
-    cost = verify_steps * (g * c + 1.0) + plain_steps
+    cost = verify_steps * (g * c + verify_cost) + plain_steps
     return tokens / cost
+
+
+def interpolate_cost(costs: dict, n: float) -> float | None:
+    """Linear interpolation of {block size (str or int): cost in target steps} at n tokens (1 token costs 1)."""
+    pts = sorted([(1.0, 1.0)] + [(float(k), float(v)) for k, v in costs.items()])
+    if len(pts) < 2:
+        return None
+    if n <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if n <= x1:
+            return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (y1 - y0) * (n - x1) / (x1 - x0)  # extrapolate from the last segment
 
 
 def alpha_from_accepted_length(mean_accepted_length: float, g: float) -> float:

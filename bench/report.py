@@ -61,16 +61,18 @@ def markdown(res: dict) -> str:
     lines += ["", "## Single-session configurations", "",
               "Speedups are tokens/s over specdec target-only, from the same run; the range in brackets is the "
               "min-max of the paired per-prompt ratios. Predicted = (1 - a^(g+1)) / ((1 - a)(g c + 1)) with "
-              "a = alpha and g = mean proposed draft length.", "",
+              "a = alpha and g = mean proposed draft length (the paper's model: a verify costs one target step). "
+              "'Predicted, CPU verify' replaces that 1 by the measured cost of a (g+1)-token forward in target "
+              "steps.", "",
               "| configuration | g | tokens/s | speedup | accept rate | alpha | mean acc. len | c | predicted | "
-              "measured/predicted | output = target-only |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "measured/predicted | predicted, CPU verify | measured/predicted, CPU verify | output = target-only |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
         if c.get("kind") == "sessions":
             continue
         if not c.get("available"):
             lines.append(f"| {c['label']} | {_f(c.get('draft_len'))} | not available: {c.get('reason', '')} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         g = c.get("draft_len")
         g = f"{g} ({c['mean_draft_len']:.2f})" if c.get("mean_draft_len") is not None else _f(g)
@@ -78,7 +80,8 @@ def markdown(res: dict) -> str:
             f"| {c['label']} | {g} | {_f(c.get('tokens_per_s'))} | {_f(c.get('speedup_vs_target_only'))}"
             f"{_spread(c.get('speedup_per_prompt'))} | {_f(c.get('acceptance_rate'))} | {_f(c.get('alpha'), 3)} | "
             f"{_f(c.get('mean_accepted_length'))} | {_f(c.get('cost_ratio_c'), 3)} | {_f(c.get('predicted_speedup'))} | "
-            f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('output_matches_target_only'))} |")
+            f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('predicted_speedup_measured_verify_cost'))} | "
+            f"{_f(c.get('measured_over_predicted_measured_verify_cost'))} | {_f(c.get('output_matches_target_only'))} |")
     hf = [c for c in res["configs"] if c.get("settings")]
     if hf:
         lines += [""] + [f"- {c['label']}: " + ", ".join(f"{k}={v}" for k, v in c["settings"].items() if k != "note")
@@ -88,8 +91,10 @@ def markdown(res: dict) -> str:
     sess = [c for c in res["configs"] if c.get("kind") == "sessions"]
     if sess:
         lines += ["", "## Concurrent sessions", "",
-                  f"{res['settings']['session_jobs']} generations per session count and round, drained by N client "
-                  "threads; aggregate tokens/s = all tokens / wall time of the whole batch.", "",
+                  "Generations per session count and round (" + ", ".join(
+                      f"{n}: {j}" for n, j in res['settings']['session_jobs'].items()) + ") cycle through "
+                  + ", ".join(res['settings']['session_prompts']) + " and are drained by N client threads "
+                  "(closed loop); aggregate tokens/s = all tokens / wall time of the whole batch.", "",
                   "| sweep | sessions | aggregate tokens/s | vs 1 session | mean per-session tokens/s | accept rate | "
                   "target verify ms/step |", "|---|---|---|---|---|---|---|"]
         for r in sess:
@@ -106,8 +111,15 @@ def markdown(res: dict) -> str:
               f"{_f(mb.get('draft_step_ms'), 2)} ms; c = {_f(mb.get('c'), 3)}",
               "- target forward over n tokens vs one step: " + ", ".join(
                   f"n={k}: {_f(v, 1)} ms ({_f(mb['verify_cost_vs_step'][k])}x)" for k, v in mb["target_block_ms"].items()),
-              f"- loopback gRPC unary round trip {_f(ov['grpc_unary_roundtrip_ms'], 2)} ms; Redis per-step commit "
-              f"{_f(ov['redis_commit_ms'], 2)} ms", ""]
+              f"- loopback gRPC: empty unary round trip {_f(ov.get('grpc_unary_roundtrip_ms'), 2)} ms; Verify "
+              f"{_f(ov.get('target_verify_rpc_ms'), 1)} ms of which the target reports {_f(ov.get('target_verify_service_ms'), 1)}"
+              f" ms (overhead {_f(ov.get('target_verify_rpc_overhead_ms'), 2)} ms); Decode(1) overhead "
+              f"{_f(ov.get('target_decode_rpc_overhead_ms'), 2)} ms; Propose {_f(ov.get('draft_propose_rpc_ms'), 1)} ms of "
+              f"which the draft reports {_f(ov.get('draft_propose_service_ms'), 2)} ms (overhead "
+              f"{_f(ov.get('draft_propose_rpc_overhead_ms'), 2)} ms); Redis per-step commit {_f(ov.get('redis_commit_ms'), 2)} ms",
+              f"- so a speculative step pays about {_f(ov.get('per_step_system_overhead_ms'), 1)} ms of RPC + Redis "
+              f"overhead against a target step of {_f(mb['target_step_ms'], 1)} ms "
+              f"({_f(100 * (ov.get('per_step_system_overhead_ms') or 0) / mb['target_step_ms'], 1)}%)", ""]
     lines += ["| configuration | client ms/step | target verify ms/step | draft ms/step | RPC + orchestrator overhead "
               "ms/step | store + stream ms/step |", "|---|---|---|---|---|---|"]
     for c in res["configs"]:
@@ -116,9 +128,11 @@ def markdown(res: dict) -> str:
             lines.append(f"| {c['name']} | {_f(p['client_wall'], 1)} | {_f(p['target_verify'], 1)} | "
                          f"{_f(p['draft_propose'], 1)} | {_f(p['rpc_and_orchestrator_overhead'], 1)} | "
                          f"{_f(p['store_and_stream_overhead'], 1)} |")
-    lines += ["", "Overheads are estimates: orchestrator step time minus the services' own model time "
-              "(decode steps counted at the in-process target step time), and client wall minus orchestrator step "
-              "time. Not computed for pipelined configurations (draft and verify overlap).", ""]
+    lines += ["", "Per configuration, from the orchestrator's stats: RPC + orchestrator overhead = orchestrator step "
+              "time minus the draft and target time the services report (n/a where the step mix includes target "
+              "Decode steps, whose time the stats do not carry, and for pipelined configurations, where draft and "
+              "verify overlap); store + stream = "
+              "client wall minus orchestrator step time (Redis commit, streaming, session setup).", ""]
     return "\n".join(lines)
 
 
@@ -129,7 +143,7 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     cfgs = [c for c in res["configs"] if c.get("available")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), dpi=110)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 7), dpi=110)
 
     def fixed(kind):
         pts = sorted((c["draft_len"], c) for c in cfgs if c["kind"] == kind and isinstance(c.get("draft_len"), int))
@@ -148,6 +162,7 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
                  label="specdec pipelined (measured)")
     styles = {"specdec-seq-adaptive": ("tab:blue", ":", "sequential adaptive"),
               "specdec-pipe-adaptive": ("tab:red", ":", "pipelined adaptive"),
+              "specdec-pipe-auto-adaptive": ("tab:pink", ":", "pipelined (auto) adaptive"),
               "hf-assisted": ("tab:green", "-.", "HF assisted (in-process)"),
               "hf-prompt-lookup": ("tab:olive", "-.", "HF prompt lookup (in-process)"),
               "hf-target-only": ("tab:gray", "--", "HF target-only (in-process)")}
@@ -166,22 +181,22 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
     ax1.set_title("Speedup against draft length (1 session)")
     ax1.grid(alpha=0.3)
     ax1.set_ylim(bottom=0)
-    ax1.legend(fontsize=7.5, loc="best")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
     sweeps: dict[str, list] = {}
     for c in cfgs:
         if c.get("kind") == "sessions":
             sweeps.setdefault(c["sweep"], []).append(c)
     colors = {"sessions-batched": "tab:purple", "sessions-unbatched": "tab:orange"}
-    for name, rows in sweeps.items():
+    for si, (name, rows) in enumerate(sweeps.items()):
         rows.sort(key=lambda r: r["sessions"])
         n = [r["sessions"] for r in rows]
         tps = [r["tokens_per_s"] for r in rows]
         label = name + (f" (--batch-window-ms {rows[0]['batch_window_ms']:g})" if rows[0].get("batched_verification") else "")
         ax2.plot(n, tps, "o-", color=colors.get(name), lw=2, ms=7, label=label)
         for x, y, r in zip(n, tps, rows):
-            ax2.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points", xytext=(4, 6),
-                         fontsize=8, color=colors.get(name))
+            ax2.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points",
+                         xytext=(5, 7 if si == 0 else -14), fontsize=8.5, color=colors.get(name))
         ax2.plot(n, [tps[0] * k / n[0] for k in n], ":", color=colors.get(name), alpha=0.5,
                  label=f"{name}: linear scaling")
         ax2.plot([n[-1]], [2 * tps[0]], "x", color=colors.get(name), ms=9, mew=2, label=f"{name}: target 2x of 1")
@@ -192,7 +207,7 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
         ax2.set_xticklabels([str(x) for x in allx])
         top = max(r["tokens_per_s"] for rows in sweeps.values() for r in rows)
         ax2.set_ylim(0, max(top, 2 * min(rows[0]["tokens_per_s"] for rows in sweeps.values())) * 1.25)
-        ax2.legend(fontsize=7.5, loc="upper left")
+        ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     else:
         ax2.text(0.5, 0.5, "no sessions sweep", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_xlabel("concurrent sessions")

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -94,8 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also run pipelined at each fixed draft length (default: on; off in quick mode)")
     p.add_argument("--sessions", default="1,2,4,8", help="concurrent sessions for the throughput sweep")
-    p.add_argument("--session-jobs", type=int, default=None,
-                   help="generations per session count per round (default: the largest session count)")
+    p.add_argument("--session-jobs", type=int, default=0,
+                   help="at least this many generations per session count and round (default 0: the least common "
+                        "multiple of the session count and the sweep's prompt count, so every client thread gets "
+                        "the same number of generations and every prompt runs equally often)")
+    p.add_argument("--session-prompts", type=int, default=4, help="prompts the sessions sweep cycles through")
     p.add_argument("--unbatched-sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also sweep sessions without --batch-window-ms (default: on; off in quick mode "
                         "when batching is available)")
@@ -115,7 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.rounds = a.rounds or (1 if q else 2)
     a.draft_lens = [int(x) for x in (a.draft_lens or ("3,4" if q else "2,3,4,6")).split(",") if x.strip()]
     a.sessions = sorted({int(x) for x in a.sessions.split(",") if x.strip()})
-    a.session_jobs = a.session_jobs or max(a.sessions)
     if a.pipelined_sweep is None:
         a.pipelined_sweep = not q
     return a
@@ -271,8 +274,8 @@ def microbench(target, draft, ids: list[int], draft_lens: list[int]) -> dict:
     decode_step_ms(target, ids, steps=3)  # warm-up
     t = decode_step_ms(target, ids)
     out = {"target_step_ms": t, "target_block_ms": {}, "draft_step_ms": None, "c": None}
-    for g in sorted(set(draft_lens) | {4}):
-        out["target_block_ms"][str(g + 1)] = block_forward_ms(target, ids, g + 1)
+    for n in range(2, max(draft_lens) + 3):  # verify blocks of g + 1 tokens, g = 1 .. max + 1
+        out["target_block_ms"][str(n)] = block_forward_ms(target, ids, n, reps=4)
     out["verify_cost_vs_step"] = {k: v / t for k, v in out["target_block_ms"].items()}
     if draft is not None:
         decode_step_ms(draft, ids, steps=3)
@@ -282,22 +285,73 @@ def microbench(target, draft, ids: list[int], draft_lens: list[int]) -> dict:
     return out
 
 
-def measure_overheads(services, reps: int = 30) -> dict:
+def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, model_reps: int = 6) -> dict:
+    """Loopback costs around the models, measured against the running services.
+
+    * an empty unary RPC (TargetService.GetInfo) and the orchestrator's per-step Redis commit;
+    * Verify (k drafts), Decode (1 token) and Propose (k tokens) called directly: client round trip minus the
+      model time the service itself reports = what gRPC, (de)serialisation and the service's own Python cost
+      per call."""
     import statistics
 
-    from orchestrator.clients import TargetClient
+    from orchestrator.clients import DraftClient, TargetClient
     from orchestrator.session_store import SessionRecord, open_store
+    from specdec.sampling import SamplingParams
 
-    client = TargetClient(services.addresses["target"])
-    client.info(timeout=10)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        client.info(timeout=10)
-        times.append((time.perf_counter() - t0) * 1e3)
-    client.close()
+    med = statistics.median
+    out: dict = {}
+    target = TargetClient(services.addresses["target"])
+    draft = DraftClient(services.addresses["draft"])
+    try:
+        target.info(timeout=10)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.info(timeout=10)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out["grpc_unary_roundtrip_ms"] = med(times)
+
+        greedy = SamplingParams()
+        sid = "bench-overhead"
+        first = target.decode(sid, list(ids), 0, 1, greedy, 0, 0, [], 120.0)
+        ctx = list(ids) + list(first.tokens)
+        drafts = [ctx[-1]] * k
+        rt, model = [], []
+        for i in range(model_reps):  # Verify at a fixed position: crop to ctx - 1, feed 1 + k tokens
+            t0 = time.perf_counter()
+            v = target.verify(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1, 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(v.verify_ms)
+        out["target_verify_rpc_ms"] = med(rt)
+        out["target_verify_service_ms"] = med(model)
+        out["target_verify_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        rt, model = [], []
+        for i in range(model_reps):  # Decode one token at a fixed position
+            t0 = time.perf_counter()
+            d = target.decode(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i, [], 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(d.decode_ms)
+        out["target_decode_rpc_ms"] = med(rt)
+        out["target_decode_service_ms"] = med(model)
+        out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        target.release(sid)
+        rt, model = [], []
+        draft.propose(sid, ctx, 0, k, greedy, 0, 0, 120.0)  # the draft prefills the prompt once
+        for i in range(model_reps):
+            t0 = time.perf_counter()
+            r = draft.propose(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1, 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(r.draft_ms)
+        out["draft_propose_rpc_ms"] = med(rt)
+        out["draft_propose_service_ms"] = med(model)
+        out["draft_propose_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        draft.release(sid)
+    finally:
+        target.close()
+        draft.close()
+
     store = open_store(services.redis.url)
-    rec = SessionRecord("bench-overhead", list(range(64)), {"temperature": 0.0, "max_new_tokens": 96},
+    rec = SessionRecord("bench-overhead", list(ids), {"temperature": 0.0, "max_new_tokens": 96},
                         stats={k: 0 for k in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted",
                                               "fallback_steps", "decode_steps", "draft_ms", "verify_ms", "wall_ms")})
     store.create(rec)
@@ -309,9 +363,14 @@ def measure_overheads(services, reps: int = 30) -> dict:
         store.commit(rec, [1, 2, 3])
         rtimes.append((time.perf_counter() - t0) * 1e3)
     store.delete(rec.session_id)
-    return {"grpc_unary_roundtrip_ms": statistics.median(times), "redis_commit_ms": statistics.median(rtimes),
-            "note": "median of %d loopback calls: TargetService.GetInfo (an empty unary RPC) and the "
-                    "orchestrator's per-step Redis commit (one MULTI pipeline)" % reps}
+    out["redis_commit_ms"] = med(rtimes)
+    out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
+                                          + out["redis_commit_ms"])
+    out["note"] = (f"medians; Verify with k={k} drafts and Propose of k={k} tokens ({model_reps} calls each), GetInfo "
+                   f"and Redis commit ({reps} each); *_rpc_overhead = client round trip - the model time the service "
+                   "reports; per_step_system_overhead = Verify + Propose overheads + one Redis commit (the orchestrator's "
+                   "own Python per step is on top)")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,18 +443,18 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
     t_step = micro["target_step_ms"]
     client_ms = wall * 1e3
     if steps:
-        model_ms = st["draft_ms"] + st["verify_ms"] + st["decode_steps"] * t_step  # decode time is not in the stats
-        if cfg.kind == "specdec-target-only":
-            model_ms = tokens * t_step
+        exact = not st["decode_steps"] and not cfg.pipelined
         out["per_step_ms"] = {
             "client_wall": client_ms / steps,
             "target_verify": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
             "draft_propose": st["draft_ms"] / st["verify_steps"] if st["verify_steps"] else None,
-            "rpc_and_orchestrator_overhead": None if cfg.pipelined else (st["wall_ms"] - model_ms) / steps,
+            "rpc_and_orchestrator_overhead": ((st["wall_ms"] - st["draft_ms"] - st["verify_ms"]) / steps
+                                              if exact else None),
             "store_and_stream_overhead": (client_ms - st["wall_ms"]) / steps,
-            "note": "estimates: overhead = orchestrator step time minus the services' own model time "
-                    "(decode steps at the microbenchmarked target step time); store_and_stream = client wall "
-                    "minus orchestrator step time (Redis commit, streaming, session setup)",
+            "note": "rpc_and_orchestrator_overhead = orchestrator step time - draft_ms - verify_ms, only where "
+                    "every step was a verify (the stats carry no Decode time) and not pipelined (draft and verify "
+                    "overlap); store_and_stream = client wall - orchestrator step time (Redis commit, streaming, "
+                    "session setup)",
         }
     if not cfg.speculative:
         return out
@@ -422,6 +481,14 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
     out["cost_ratio_c_services"] = draft_ms_per_token / (st["verify_ms"] / v) if st["verify_ms"] else None
     pred = analysis.predicted_speedup_with_plain_steps(alpha, g_mean, c, int(v), int(st["decode_steps"]))
     out["predicted_speedup"] = pred
+    vc = analysis.interpolate_cost(micro.get("verify_cost_vs_step") or {}, g_mean + 1)
+    if vc is not None:
+        # The same model with the verify cost this CPU really has (a g+1-token forward is not free here).
+        out["verify_cost_vs_step"] = vc
+        out["predicted_speedup_measured_verify_cost"] = analysis.predicted_speedup_with_plain_steps(
+            alpha, g_mean, c, int(v), int(st["decode_steps"]), verify_cost=vc)
+        out["measured_over_predicted_measured_verify_cost"] = analysis.ratio(
+            out["speedup_vs_target_only"], out["predicted_speedup_measured_verify_cost"])
     out["predicted_model"] = ("leviathan" if not st["decode_steps"] else
                               "leviathan, plus plain target steps where nothing was drafted")
     out["measured_over_predicted"] = analysis.ratio(out["speedup_vs_target_only"], pred)
@@ -491,53 +558,57 @@ def evaluate_targets(res: dict) -> dict:
 
 def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) -> str:
     hp = head.get("predicted_speedup")
+    hpv = head.get("predicted_speedup_measured_verify_cost")
     ov = res.get("overheads", {})
+    mb = res.get("microbench", {})
     per = head.get("per_step_ms") or {}
+    sysov = (f"RPC + Redis overhead per step ~{_fmt(ov.get('per_step_system_overhead_ms'), 1)} ms (Verify "
+             f"{_fmt(ov.get('target_verify_rpc_overhead_ms'))} + Propose {_fmt(ov.get('draft_propose_rpc_overhead_ms'))}"
+             f" + Redis {_fmt(ov.get('redis_commit_ms'))}) vs a target step of {_fmt(mb.get('target_step_ms'), 1)} ms")
     if key == "pipelined_speedup_vs_target_only":
         verb = "met" if value >= thr else "not met"
         parts = [f"{verb}: {head.get('name')} runs {_fmt(head.get('tokens_per_s'))} tok/s = {_fmt(value)}x target-only"]
         if hp is not None:
-            parts.append(f"the analytical model predicts {_fmt(hp)}x at the measured acceptance "
+            parts.append(f"the paper's model predicts {_fmt(hp)}x at the measured acceptance "
                          f"(accepted/proposed {_fmt(head.get('acceptance_rate'))}, alpha {_fmt(head.get('alpha'))}, "
                          f"mean accepted length {_fmt(head.get('mean_accepted_length'))}, mean g "
                          f"{_fmt(head.get('mean_draft_len'))}, c {_fmt(head.get('cost_ratio_c'), 3)})")
+            if hpv is not None:
+                parts.append(f"{_fmt(hpv)}x with the verify cost measured on this CPU (a "
+                             f"{_fmt((head.get('mean_draft_len') or 0) + 1, 1)}-token forward = "
+                             f"{_fmt(head.get('verify_cost_vs_step'))} target steps)")
             if value < thr and hp < thr:
-                parts.append(f"so even without any system overhead the drafter could not reach {thr}x here: the "
-                             "acceptance / cost ratio is the limit")
+                parts.append(f"so even with free verification and no system overhead this drafter could not reach "
+                             f"{thr}x: the acceptance rate / draft length is the limit")
             elif value < thr:
-                parts.append(f"the system reaches {_fmt(value / hp)} of that; per step it spends "
-                             f"{_fmt(per.get('client_wall'))} ms at the client vs "
-                             f"{_fmt(per.get('target_verify'))} ms target verify and "
-                             f"{_fmt(per.get('draft_propose'))} ms draft")
+                parts.append(f"the system reaches {_fmt(value / hp)} of the paper's prediction; {sysov}")
         return "; ".join(parts)
     if key == "speedup_vs_hf_assisted":
         anchor = cfgs.get(res.get("hf_anchor") or "", {})
         return (f"not met: {_fmt(head.get('tokens_per_s'))} tok/s vs {anchor.get('name')} "
-                f"{_fmt(anchor.get('tokens_per_s'))} tok/s in one process (no RPC, no serialisation, no Redis): "
-                f"each specdec step pays >= 2 loopback RPCs ({_fmt(ov.get('grpc_unary_roundtrip_ms'))} ms each for an "
-                f"empty one) and a Redis commit ({_fmt(ov.get('redis_commit_ms'))} ms) against a target step of "
-                f"{_fmt(res.get('microbench', {}).get('target_step_ms'))} ms; HF commits "
-                f"{_fmt(anchor.get('mean_accepted_length'))} tokens per target forward, specdec "
-                f"{_fmt(head.get('mean_accepted_length'))}")
+                f"{_fmt(anchor.get('tokens_per_s'))} tok/s in one process (no RPC, no serialisation, no Redis); "
+                f"{sysov}; HF commits {_fmt(anchor.get('mean_accepted_length'))} tokens per target forward, specdec "
+                f"{_fmt(head.get('mean_accepted_length'))} per verify")
     if key == "pipelined_faster_than_sequential":
         seq = cfgs.get(res.get("best_sequential_config") or "", {})
         return (f"not met: {head.get('name')} {_fmt(head.get('tokens_per_s'))} tok/s vs best sequential "
-                f"{seq.get('name')} {_fmt(seq.get('tokens_per_s'))} tok/s (same policy: "
-                f"{_fmt(res.get('pipelined_vs_sequential_same_policy'))}x); on {res['machine']['cpus']} shared "
-                "CPU cores the draft and target processes compete for the same cores, so overlapping them hides "
-                "little time")
+                f"{seq.get('name')} {_fmt(seq.get('tokens_per_s'))} tok/s (same draft-length policy: "
+                f"{_fmt(res.get('pipelined_vs_sequential_same_policy'))}x); pipelining hides the draft time, here "
+                f"{_fmt(head.get('draft_ms_per_token'), 2)} ms per draft token (c = {_fmt(head.get('cost_ratio_c'), 3)}), "
+                f"and on {res['machine']['cpus']} shared CPU cores draft and target compete for the same cores")
     if key == "measured_over_predicted":
-        return (f"not met: measured {_fmt(head.get('speedup_vs_target_only'))}x vs predicted {_fmt(hp)}x; the model "
-                f"assumes a verify of g+1 tokens costs one target step and steps cost nothing else. Measured: a "
-                f"verify of 5 tokens costs {_fmt(res.get('microbench', {}).get('verify_cost_vs_step', {}).get('5'))}x "
-                f"a single-token step; per step {_fmt(per.get('client_wall'))} ms at the client vs "
-                f"{_fmt(per.get('target_verify'))} ms target + {_fmt(per.get('draft_propose'))} ms draft "
-                f"(gRPC round trip {_fmt(ov.get('grpc_unary_roundtrip_ms'))} ms, Redis commit "
-                f"{_fmt(ov.get('redis_commit_ms'))} ms)")
+        return (f"not met: measured {_fmt(head.get('speedup_vs_target_only'))}x vs predicted {_fmt(hp)}x. The paper's "
+                f"model takes a verify of g+1 tokens to cost one target step; on this CPU a "
+                f"{_fmt((head.get('mean_draft_len') or 0) + 1, 1)}-token forward costs "
+                f"{_fmt(head.get('verify_cost_vs_step'))} steps, which alone predicts {_fmt(hpv)}x (measured/that = "
+                f"{_fmt(head.get('measured_over_predicted_measured_verify_cost'))}); the rest: {sysov}, plus the "
+                f"orchestrator's own Python per step and the shared machine (load average "
+                f"{_fmt(res['machine'].get('load_average_begin', [None])[0])} -> "
+                f"{_fmt(res['machine'].get('load_average_end', [None])[0])} on {res['machine']['cpus']} cores)")
     if key == "throughput_8_sessions_vs_1":
         rows = [c for c in res["configs"] if c.get("kind") == "sessions" and c.get("sweep") == res.get("sessions_sweep")]
         r1 = next((r for r in rows if r["sessions"] == 1), {})
-        r8 = next((r for r in rows if r["sessions"] == max(r["sessions"] for r in rows)), {}) if rows else {}
+        r8 = max(rows, key=lambda r: r["sessions"]) if rows else {}
         return (f"not met: {_fmt(r8.get('tokens_per_s'))} tok/s aggregate at {r8.get('sessions')} sessions vs "
                 f"{_fmt(r1.get('tokens_per_s'))} at 1 ({res['machine']['cpus']} CPU cores, shared with other work; "
                 f"each model service runs {res['settings']['threads']} torch thread); batched verification "
@@ -596,14 +667,20 @@ def run(args: argparse.Namespace) -> dict:
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
         micro = microbench(target, draft, first, args.draft_lens)
-        overheads = measure_overheads(services)
+        overheads = measure_overheads(services, first, k=max(args.draft_lens))
 
         batched = "target-batched" in services.addresses
         if not batched:
             not_measured["batched"] = "the target has no --batch-window-ms flag in this checkout"
         unbatched = args.unbatched_sweep if args.unbatched_sweep is not None else (not args.quick or not batched)
         n_sweeps = int(batched) + int(unbatched)
-        jobs = [(prompts[i % len(prompts)].name, ids[prompts[i % len(prompts)].name]) for i in range(args.session_jobs)]
+        sweep_prompts = prompts[: max(1, min(args.session_prompts, len(prompts)))]
+
+        def jobs_for(n: int) -> list[tuple[str, list[int]]]:
+            unit = math.lcm(n, len(sweep_prompts))
+            count = unit * max(1, -(-args.session_jobs // unit))
+            return [(sweep_prompts[i % len(sweep_prompts)].name, ids[sweep_prompts[i % len(sweep_prompts)].name])
+                    for i in range(count)]
 
         n_single = len(live) * (1 + args.rounds * len(prompts))
         n_sessions = n_sweeps * (1 + args.rounds * len(args.sessions))
@@ -647,13 +724,13 @@ def run(args: argparse.Namespace) -> dict:
             g = head_cfg.draft_len or 0
             try:
                 progress.set_postfix_str(f"warm-up {name}")
-                run_sessions_level(n_max, jobs[:n_max], args.warmup_tokens, clients, g)
+                run_sessions_level(n_max, jobs_for(n_max)[:n_max], args.warmup_tokens, clients, g)
                 progress.update(1)
                 for r in range(args.rounds):
                     order = args.sessions if r % 2 == 0 else list(reversed(args.sessions))
                     for n in order:
                         progress.set_postfix_str(f"round {r + 1} {name} x{n}")
-                        wall, samples = run_sessions_level(n, jobs, args.max_new_tokens, clients, g)
+                        wall, samples = run_sessions_level(n, jobs_for(n), args.max_new_tokens, clients, g)
                         for s in samples:
                             s.round = r
                         levels[n].append((wall, samples))
@@ -751,7 +828,11 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,
                      "prompts": [{"name": p.name, "kind": p.kind, "prompt_tokens": len(ids[p.name])} for p in prompts],
                      "rounds": args.rounds, "draft_lens": args.draft_lens, "sessions": args.sessions,
-                     "session_jobs": args.session_jobs, "batch_window_ms": args.batch_window_ms
+                     "session_jobs": {n: math.lcm(n, min(args.session_prompts, len(prompts))) * max(
+                         1, -(-args.session_jobs // math.lcm(n, min(args.session_prompts, len(prompts)))))
+                         for n in args.sessions},
+                     "session_prompts": [p.name for p in prompts[: max(1, min(args.session_prompts, len(prompts)))]],
+                     "batch_window_ms": args.batch_window_ms
                      if flags["target --batch-window-ms"] else None, "threads": args.threads,
                      "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
                      "timing": "client wall time per generation (request sent -> final message), prefill included; "

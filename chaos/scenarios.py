@@ -19,9 +19,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import redis as redis_lib
 
+# orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
 from chaos import DRAFT_FAULTS, SCENARIOS
 from chaos.load import Progress, RequestRecord, run_batch, run_request
+from orchestrator.draft_pool import _rank
+from orchestrator.session_store import KEY_PREFIX
 from specdec.client import SpecdecClient
 from specdec.stack import LocalStack, ServiceProcess, StackConfig
 
@@ -52,6 +56,7 @@ class ChaosOptions:
     fault_s: tuple = (2.0, 4.0)        # seeded fault duration range (before the heal starts)
     trigger_frac: tuple = (0.1, 0.3)   # seeded: inject after this fraction of phase 1's expected tokens
     prompts: int = 8
+    extension_think_s: float = 0.0     # pause between a worker's requests once `requests` were issued
     target_model: str = TINY_TARGET
     draft_strategy: str = "model"
     draft_model: str = TINY_DRAFT
@@ -77,7 +82,7 @@ class ChaosOptions:
     @classmethod
     def quick_preset(cls, **overrides) -> "ChaosOptions":
         base = dict(requests=6, max_new_tokens=48, concurrency=2, time_limit_s=60.0, fault_s=(0.6, 1.2),
-                    prompts=6, quick=True)
+                    prompts=6, extension_think_s=0.5, quick=True)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -356,7 +361,8 @@ class ChaosHarness:
             lines = [ln for ln in data[start:].splitlines()
                      if '"level": "error"' in ln or "Traceback" in ln or '"level": "critical"' in ln]
             if lines:
-                out[path.stem] = [ln[:300] for ln in lines[:5]] + ([f"... {len(lines) - 5} more"] if len(lines) > 5 else [])
+                more = [f"... {len(lines) - 5} more"] if len(lines) > 5 else []
+                out[path.stem] = [ln[:300] for ln in lines[:5]] + more
         return out
 
     # -- scenarios -----------------------------------------------------------------------------------
@@ -403,8 +409,6 @@ class DraftFault(Fault):
     def choose_one(self) -> int:
         """At the moment of the fault: a replica that in-flight sessions prefer (rendezvous ranking), so the
         fault hits live streams; the seed picks among them (among all if nothing is in flight)."""
-        from orchestrator.draft_pool import _rank
-
         addrs = [d.address for d in self.h.stack.drafts]
         preferred = sorted({max(range(len(addrs)), key=lambda i: _rank(sid, addrs[i])) for sid in self.in_flight()})
         return self._set_victims([self.rng.choice(preferred or list(range(len(addrs))))])[0]
@@ -596,6 +600,11 @@ class Scenario:
                     rec = self.records[i]
                     run_request(client, self.h.prompts[rec.prompt_index], rec, o.max_new_tokens, request_deadline,
                                 self.progress)
+                    if (o.extension_think_s and phase == "load" and tl.settled is None
+                            and self._issued["load"] >= o.requests):
+                        # Past `requests`, a long heal (a process restart) stays under a lighter load so the
+                        # restart, which shares this host's CPUs, does not take much longer than it must.
+                        time.sleep(o.extension_think_s)
 
         workers = [threading.Thread(target=worker, daemon=True) for _ in range(o.concurrency)]
         for w in workers:
@@ -632,11 +641,6 @@ class Scenario:
         """Post-heal sessions whose rendezvous ranking prefers a healed replica: did they end on it?"""
         if self.name not in ("kill_draft", "kill_all_drafts", "hang_draft", "slow_draft"):
             return None
-        import redis as redis_lib
-
-        from orchestrator.draft_pool import _rank
-        from orchestrator.session_store import KEY_PREFIX
-
         addrs = [d.address for d in self.h.stack.drafts]
         r = redis_lib.Redis.from_url(self.h.stack.redis.url, socket_timeout=2)
         preferring, on_it = 0, 0

@@ -108,6 +108,9 @@ class DistillConfig:
     warmup_frac: float = 0.05
     grad_clip: float = 1.0
     mse_weight: float = 1.0  # + weight * MSE(student final hidden, teacher final hidden in PCA coordinates)
+    pre_steps: int = 600  # phase 1: hidden-state MSE only (no vocabulary projection: cheap), frozen embedding
+    pre_batch_tokens: int = 4096
+    pre_lr: float = 3e-3
     neg_samples: int = 4096  # sampled softmax: batch top-k ids + this many random others (0 = full vocab)
     train_topk: int = 0  # use only the first train_topk teacher ids in the loss (0 = all stored)
     autocast_bf16: bool = True  # bfloat16 autocast for the student forward during training (CPU)
@@ -931,6 +934,65 @@ def mean_kl(model: Any, data: TeacherData, pad_id: int, batch_tokens: int = 4096
     return total / max(n, 1)
 
 
+def _pretrain_hidden(student: Any, data: TeacherData, z: list[torch.Tensor], z_scale: float, cfg: DistillConfig,
+                     pad_id: int, gen: torch.Generator, params: list[torch.nn.Parameter],
+                     budget: float | None) -> dict[str, Any]:
+    """Phase 1: regress the student's final normed hidden state onto the teacher's (PCA coordinates).
+
+    Only the body (and final norm) trains; the tied embedding / head stays at
+    its hidden-pca initialisation, which is exactly the head for which these
+    targets give the teacher's logits.  No vocabulary-sized matmul, so a step
+    costs a fraction of a KL step.
+    """
+    emb = student.get_input_embeddings().weight
+    emb.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=cfg.pre_lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=cfg.weight_decay)
+    warm = max(1, int(cfg.warmup_frac * cfg.pre_steps))
+    student.train()
+    t0 = time.monotonic()
+    batches: list[list[int]] = []
+    hist: list[float] = []
+    stopped = False
+    step = 0
+    bar = _tqdm(total=cfg.pre_steps, desc="training student (phase 1: hidden MSE)", unit="step",
+                disable=not cfg.progress)
+    while step < cfg.pre_steps:
+        if not batches:
+            batches = make_batches(data, cfg.pre_batch_tokens, gen)
+        items = batches.pop()
+        if step < warm:
+            scale = (step + 1) / warm
+        else:
+            scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.pre_steps - warm)))
+        for g in opt.param_groups:
+            g["lr"] = cfg.pre_lr * scale
+        ids, att, flat_pos, _, _, zt = _pad_batch(data, items, pad_id, z)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            hidden = student.model(input_ids=ids, attention_mask=att).last_hidden_state
+        h = hidden.float().reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)
+        loss = ((h - zt) ** 2).mean() / z_scale
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        hist.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(mse=f"{sum(hist[-10:]) / len(hist[-10:]):.3f}")
+        if budget and time.monotonic() - t0 > budget and step < cfg.pre_steps:
+            stopped = True
+            logger.warning("phase 1 stopped by the time budget (%.0fs) after %d/%d steps", budget, step, cfg.pre_steps)
+            break
+    bar.close()
+    if cfg.embed_lr_mult > 0:
+        emb.requires_grad_(True)
+    return {"pre_steps": step, "pre_planned_steps": cfg.pre_steps, "pre_stopped_by_time_budget": stopped,
+            "pre_seconds": round(time.monotonic() - t0, 2),
+            "pre_first_mse": hist[0] if hist else None,
+            "pre_last_mse_mean10": sum(hist[-10:]) / max(1, len(hist[-10:]))}
+
+
 def train_student(
     student: Any, data: TeacherData, cfg: DistillConfig, pad_id: int, time_budget_s: float | None = None,
     basis: HiddenBasis | None = None,
@@ -951,6 +1013,14 @@ def train_student(
         z_scale = float(basis.ev[: cfg.hidden].mean().clamp_min(1e-12))
     emb = student.get_input_embeddings().weight
     other = [p for n, p in student.named_parameters() if p is not emb]
+    budget = cfg.time_budget_s if time_budget_s is None else time_budget_s
+    t_start = time.monotonic()
+    pre: dict[str, Any] = {"pre_steps": 0}
+    if z is not None and cfg.pre_steps > 0:
+        pre = _pretrain_hidden(student, data, z, z_scale, cfg, pad_id, gen, other,
+                               budget=0.4 * budget if budget else None)
+        if budget:
+            budget = max(1.0, budget - (time.monotonic() - t_start))
     groups = [{"params": other, "lr": cfg.lr, "lr_mult": 1.0}]
     if cfg.embed_lr_mult > 0:
         groups.append({"params": [emb], "lr": cfg.lr * cfg.embed_lr_mult, "lr_mult": cfg.embed_lr_mult})
@@ -965,7 +1035,6 @@ def train_student(
         t = (step - warm) / max(1, cfg.steps - warm)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
-    budget = cfg.time_budget_s if time_budget_s is None else time_budget_s
     student.train()
     t0 = time.monotonic()
     batches: list[list[int]] = []
@@ -1010,8 +1079,10 @@ def train_student(
     bar.close()
     student.eval()
     return {
-        "steps": step, "planned_steps": cfg.steps, "stopped_by_time_budget": stopped_by_budget,
-        "train_seconds": round(time.monotonic() - t0, 2),
+        **pre,
+        "steps": step, "planned_steps": cfg.steps,
+        "stopped_by_time_budget": stopped_by_budget or bool(pre.get("pre_stopped_by_time_budget")),
+        "train_seconds": round(time.monotonic() - t_start, 2),
         "first_loss": losses[0] if losses else None,
         "last_loss_mean10": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "last_mse_mean10": (sum(mse_hist[-10:]) / len(mse_hist[-10:])) if mse_hist else None,

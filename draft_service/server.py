@@ -42,6 +42,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_draft_len must be in 1..{self.max_draft_len}")
         if self.latency_enabled:
             time.sleep(self.inject_latency_ms / 1e3)
+        if request.tree_budget and hasattr(self.proposer, "get_tree"):
+            return self._propose_tree(sid, request, params, delta)
         with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
             t0 = time.perf_counter()
             proposal = self.proposer.get_candidates(
@@ -55,6 +57,34 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ProposeResponse(
             tokens=proposal.tokens, probs=probs, cached_len=proposal.cached_len, draft_ms=ms
         )
+
+    MAX_TREE_NODES = 64
+    MAX_TREE_BRANCH = 16
+
+    def _propose_tree(self, sid, request, params, delta):
+        """Tree speculation (a drafter without get_tree answers tree requests with a chain instead)."""
+        from specdec.tree import TreeShape
+
+        if request.tree_budget > self.MAX_TREE_NODES:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"tree_budget must be in 1..{self.MAX_TREE_NODES}")
+        if request.tree_branch > self.MAX_TREE_BRANCH:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"tree_branch must be in 0..{self.MAX_TREE_BRANCH}")
+        below = request.tree_branch_below
+        if not (wire.is_finite(below) and 0.0 <= below <= 1.0):
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "tree_branch_below must be in [0, 1]")
+        default = TreeShape(budget=1)
+        shape = TreeShape(budget=request.tree_budget, branch=request.tree_branch or default.branch,
+                          branch_below=below or default.branch_below, max_depth=request.tree_max_depth)
+        with telemetry.span("draft.propose", session_id=sid, tree_budget=request.tree_budget) as s:
+            t0 = time.perf_counter()
+            proposal = self.proposer.get_tree(sid, request.delta.prefix_len, delta, shape, params,
+                                              request.sampling.seed, request.step)
+            ms = (time.perf_counter() - t0) * 1e3
+            s.set_attribute("draft_tokens", len(proposal.tokens))
+        telemetry.record_draft(ms)
+        probs = [] if proposal.probs_fp16 is None else [wire.encode_distribution(r) for r in proposal.probs_fp16]
+        tree = common_pb2.TokenTree(parents=proposal.parents, tokens=proposal.tokens, probs=probs)
+        return draft_pb2.ProposeResponse(tree=tree, cached_len=proposal.cached_len, draft_ms=ms)
 
     @handle_errors
     def Release(self, request, context):

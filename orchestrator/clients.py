@@ -7,7 +7,7 @@ the whole context once, which rebuilds the service's cache transparently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -42,6 +42,7 @@ class DraftReply:
     cached_len: int
     draft_ms: float
     resynced: bool
+    tree_parents: list[int] | None = None  # tree speculation: tokens/probs are the nodes of this tree
 
 
 @dataclass
@@ -51,6 +52,7 @@ class VerifyReply:
     cached_len: int
     verify_ms: float
     resynced: bool
+    accepted_nodes: list[int] = field(default_factory=list)  # tree speculation: the accepted path
 
 
 @dataclass
@@ -71,17 +73,23 @@ class DraftClient:
         return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
     def propose(self, session_id: str, committed: list[int], pos: int, max_len: int, params: SamplingParams,
-                seed: int, step: int, timeout: float, min_confidence: float = 0.0) -> DraftReply:
+                seed: int, step: int, timeout: float, min_confidence: float = 0.0,
+                tree: dict | None = None) -> DraftReply:
+        """``tree``: ask for a token tree (keys tree_budget, tree_branch, tree_branch_below, tree_max_depth)."""
         sampling = wire.sampling_to_proto(params, seed)
 
         def call(delta):
             return self.stub.Propose(
                 draft_pb2.ProposeRequest(session_id=session_id, delta=delta, max_draft_len=max_len,
-                                         sampling=sampling, step=step, min_confidence=min_confidence),
+                                         sampling=sampling, step=step, min_confidence=min_confidence,
+                                         **(tree or {})),
                 timeout=timeout,
             )
 
         r, resynced = _call_with_resync(call, committed, pos)
+        if len(r.tree.tokens) or len(r.tree.parents):
+            return DraftReply(list(r.tree.tokens), list(r.tree.probs), r.cached_len, r.draft_ms, resynced,
+                              list(r.tree.parents))
         return DraftReply(list(r.tokens), list(r.probs), r.cached_len, r.draft_ms, resynced)
 
     def propose_async(self, session_id: str, prefix_len: int, delta: list[int], max_len: int,
@@ -110,18 +118,25 @@ class TargetClient:
 
     def verify(self, session_id: str, committed: list[int], pos: int, draft_tokens: list[int], draft_probs: list,
                params: SamplingParams, seed: int, step: int, timeout: float,
-               wait_for_ready: bool = False) -> VerifyReply:
+               wait_for_ready: bool = False, tree_parents: list[int] | None = None) -> VerifyReply:
+        """``tree_parents``: draft_tokens/draft_probs are the nodes of a token tree with these parents."""
         sampling = wire.sampling_to_proto(params, seed)
+        if tree_parents is not None:
+            tree = common_pb2.TokenTree(parents=tree_parents, tokens=draft_tokens, probs=draft_probs)
+            fields = dict(tree=tree)
+        else:
+            fields = dict(draft_tokens=draft_tokens, draft_probs=draft_probs)
 
         def call(delta):
             return self.stub.Verify(
-                target_pb2.VerifyRequest(session_id=session_id, delta=delta, draft_tokens=draft_tokens,
-                                         draft_probs=draft_probs, sampling=sampling, step=step),
+                target_pb2.VerifyRequest(session_id=session_id, delta=delta, sampling=sampling, step=step,
+                                         **fields),
                 timeout=timeout, wait_for_ready=wait_for_ready,
             )
 
         r, resynced = _call_with_resync(call, committed, pos)
-        return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced)
+        return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced,
+                           list(r.accepted_nodes))
 
     def decode(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
                seed: int, step: int, stop_token_ids: list[int], timeout: float,

@@ -59,6 +59,9 @@ class LoopConfig:
     target_timeout_s: float = 30.0
     target_grace_s: float = 15.0       # how long a step waits for a dead target to come back
     store_grace_s: float = 10.0        # how long a step waits for the session store to come back
+    tree_budget: int = 0               # tree speculation: draft a token tree of this many nodes (0 = chain)
+    tree_branch: int = 0               # children of an uncertain tree node (0 = the draft's default, 2)
+    tree_branch_below: float = 0.0     # a tree node is uncertain below this draft top probability (0 = default)
 
 
 @dataclass
@@ -292,6 +295,10 @@ class Generation:
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 or not self._wants_draft():
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
+        if self.cfg.tree_budget > 0:
+            from orchestrator.tree_step import tree_step
+
+            return tree_step(self, remaining)
         replica = self._pick_replica()
         if replica is not None:
             reply, failed = self._take_prefetched(replica, k)

@@ -318,6 +318,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the draft stops a block early when its top probability is below this (0 = never)")
     p.add_argument("--pipeline", choices=["off", "on", "auto"], default="off",
                    help="draft the next block while the target verifies (auto: only after a fully accepted block)")
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="tree speculation: the draft proposes a token tree of up to N nodes, verified in one "
+                        "target pass (0 = chain)")
+    p.add_argument("--tree-branch", type=int, default=0,
+                   help="tree speculation: children of an uncertain node (0 = the draft's default, 2)")
+    p.add_argument("--tree-branch-below", type=float, default=0.0,
+                   help="tree speculation: branch where the draft's top probability is below this (0 = default, 0.75)")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
@@ -341,6 +348,8 @@ def serve(args: argparse.Namespace) -> None:
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                      draft_min_confidence=args.draft_min_confidence,
+                     tree_budget=args.tree_budget, tree_branch=args.tree_branch,
+                     tree_branch_below=args.tree_branch_below,
                      fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)

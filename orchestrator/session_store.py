@@ -4,8 +4,8 @@ Redis layout (TTL on both keys):
   specdec:session:{id}       hash: prompt (packed uint32), params (json), status, finish_reason,
                              target_pos, draft_pos, step, stats (json), updated
   specdec:session:{id}:gen   string: generated tokens, packed little-endian uint32, appended per block
-Each committed block costs one MULTI/EXEC round trip (APPEND + HSET + 2x EXPIRE), so a block is
-either fully stored or not at all.
+Each committed block costs one MULTI/EXEC round trip (SETRANGE + HSET + 2x EXPIRE), so a block is
+either fully stored or not at all, and writing it again (a retry after a lost reply) changes nothing.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class RedisSessionStore:
         def _do():
             pipe = self.client.pipeline(transaction=True)
             if new_tokens:
-                pipe.append(gen, pack_tokens(new_tokens))
+                # SETRANGE at the block's own offset, not APPEND: a retry after a lost reply rewrites the same
+                # bytes instead of appending the block twice.
+                pipe.setrange(gen, 4 * (len(rec.generated) - len(new_tokens)), pack_tokens(new_tokens))
             pipe.hset(meta, mapping=rec.state_fields())
             pipe.expire(meta, self.ttl_s)
             pipe.expire(gen, self.ttl_s)

@@ -34,6 +34,11 @@ __all__ = [
     "verify_greedy",
     "verify_rejection",
     "verify",
+    "TreeVerifyResult",
+    "sample_siblings",
+    "verify_tree_greedy",
+    "verify_tree_rejection",
+    "verify_tree",
     "speculative_speedup",
     "expected_accepted_length",
 ]
@@ -296,6 +301,182 @@ def verify(
     if generator is None:
         raise ValueError("a generator is required for non-greedy verification (temperature > 0)")
     return verify_rejection(warp_probs(target_logits, params), draft_probs, draft_tokens, generator)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree verification: SpecInfer's multi-step speculative sampling (recursive rejection sampling)
+# --------------------------------------------------------------------------------------------
+#
+# A tree of n nodes: tree_tokens[i], parents[i] (-1 = a child of the root, i.e. of the last committed
+# token; otherwise an earlier node). Target rows: row 0 is the target's distribution after the context,
+# row i + 1 the distribution after node i (so a chain [-1, 0, 1, ...] has exactly the chain's rows).
+# Siblings are listed in the order they were drawn, and draft_probs[i] is the distribution node i was
+# drawn from GIVEN its earlier siblings: the same q for all siblings drawn i.i.d. from q, or q with the
+# earlier siblings zeroed and renormalised when they were drawn without replacement.
+#
+# Correctness, at one node with target distribution p_1 = p and siblings x_1..x_m, x_j ~ q_j given
+# x_1..x_{j-1}: stage j accepts x_j with probability min(1, p_j(x_j) / q_j(x_j)), else moves on with the
+# residual p_{j+1} = norm(max(0, p_j - q_j)); after the last stage the token is drawn from p_{m+1}. By
+# induction from the last stage, what stage j emits is distributed as p_j: it emits x with probability
+# min(q_j, p_j)(x) + beta_j * p_{j+1}(x) = min(q_j, p_j)(x) + max(0, p_j - q_j)(x) = p_j(x), where
+# beta_j = sum(max(0, p_j - q_j)) is its rejection probability. So the node emits a token ~ p. An accepted
+# sibling continues the walk in its own subtree, whose draws are independent of how it was accepted;
+# a leaf (or a node whose children are all rejected) ends the step with a token drawn from the target
+# (resp. the final residual). The argument needs only that how MANY children a node has does not depend on
+# the children's values (it may depend on anything drawn before them).
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    path: tuple[int, ...]  # accepted node indices, root to deepest
+    next_token: int  # correction (all children of the last node rejected) or bonus (the last node is a leaf)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def _tree_children(parents, n: int) -> list[list[int]]:
+    try:
+        parents = [operator.index(p) for p in parents]
+    except TypeError as e:
+        raise ValueError(f"tree parents must be integers: {e}") from None
+    if len(parents) != n:
+        raise ValueError(f"tree has {len(parents)} parents for {n} tokens")
+    kids: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree node {i} has parent {p}; a parent must be -1 (the root) or an earlier node")
+        kids[p + 1].append(i)
+    return kids
+
+
+def sample_siblings(q: torch.Tensor, m: int, generator: torch.Generator, round_fn=None,
+                    replace: bool = False) -> list[tuple[int, float, object]]:
+    """Draw up to ``m`` siblings from the ``[V]`` distribution ``q``: ``[(token, q(token), payload)]``.
+
+    Without replacement (default): sibling j is drawn from q with siblings 1..j-1 zeroed and renormalised,
+    at most as many as q has nonzero entries. ``replace=True``: i.i.d. draws from q. ``round_fn(dist)``
+    returns ``(payload, exact)``: what goes on the wire and the distribution it encodes (e.g.
+    :func:`specdec.wire.to_fp16_distribution`); each sibling is drawn from ``exact``, so the verifier sees
+    exactly the distribution that was used. Without ``round_fn`` the payload is the float32 distribution.
+    """
+    rf = round_fn or (lambda d: (d, d))
+    payload, cur = rf(q.detach().float().cpu())
+    base = cur
+    count = m if replace else min(m, int((cur > 0).sum()))
+    out: list[tuple[int, float, object]] = []
+    for j in range(count):
+        if j > 0 and not replace:
+            nxt = cur.clone()
+            nxt[out[-1][0]] = 0.0
+            payload, cur = rf(nxt / nxt.sum())
+        x = int(sample(cur, generator))
+        out.append((x, float(base[x]), payload))
+    return out
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, tree_tokens, parents) -> TreeVerifyResult:
+    """Walk down from the root, each time into the first child whose token is the target's argmax; the
+    argmax after the last accepted node is the next token (token-identical to target-only greedy decoding)."""
+    if target_logits.dim() != 2 or target_logits.shape[0] < 1:
+        raise ValueError(f"target_logits must have shape [n+1, V], got {tuple(target_logits.shape)}")
+    tokens = _token_list(tree_tokens, target_logits.shape[-1])
+    kids = _tree_children(parents, len(tokens))
+    _check_rows("target_logits", target_logits, len(tokens) + 1)
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        want = best[node + 1]
+        nxt = next((c for c in kids[node + 1] if tokens[c] == want), None)
+        if nxt is None:
+            return TreeVerifyResult(tuple(path), want)
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree_rejection(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    tree_tokens,
+    parents,
+    generator: torch.Generator,
+) -> TreeVerifyResult:
+    """Multi-branch rejection sampling over a token tree (see the comment above): the committed tokens are
+    distributed exactly as if sampled from ``target_probs`` one at a time.
+
+    ``draft_probs=None``: deterministic siblings (each q_j one-hot at its token), i.e. accept x_j with
+    probability p_j(x_j) and drop x_j from the residual. Random numbers: first ``n`` float64 uniforms in one
+    call (node i's test uses the i-th), then exactly one categorical draw.
+    """
+    if target_probs.dim() != 2 or target_probs.shape[0] < 1:
+        raise ValueError(f"target_probs must have shape [n+1, V], got {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[-1]
+    tokens = _token_list(tree_tokens, vocab)
+    n = len(tokens)
+    kids = _tree_children(parents, n)
+    _check_rows("target_probs", target_probs, n + 1)
+    if not bool(torch.isfinite(target_probs).all()):
+        raise ValueError("target_probs contains NaN or inf")
+    if draft_probs is not None:
+        if draft_probs.dim() != 2 or tuple(draft_probs.shape) != (n, vocab):
+            raise ValueError(f"draft_probs must have shape [n={n}, V={vocab}], got {tuple(draft_probs.shape)}")
+        if n and not bool(torch.isfinite(draft_probs).all()):
+            raise ValueError("draft_probs contains NaN or inf")
+        if n and bool((draft_probs < 0).any()):
+            raise ValueError("draft_probs contains negative values")
+    if n == 0:
+        return TreeVerifyResult((), int(sample(target_probs[0], generator)))
+
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device).tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        siblings = kids[node + 1]
+        if not siblings:  # a leaf: bonus token from the target
+            return TreeVerifyResult(tuple(path), int(sample(target_probs[node + 1], generator)))
+        p = target_probs[node + 1].to("cpu", torch.float64)  # p_1; becomes the residual p_j
+        accepted = None
+        for c in siblings:
+            x = tokens[c]
+            q = None if draft_probs is None else draft_probs[c].to("cpu", torch.float64)
+            q_x = 1.0 if q is None else float(q[x])
+            # u * q <= p  <=>  u <= min(1, p/q); q(x) == 0 (the drafter could not have drawn x) never accepts.
+            if q_x > 0.0 and u[c] * q_x <= float(p[x]):
+                accepted = c
+                break
+            if q is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = (p - q).clamp_min_(0.0)
+            total = float(residual.sum())
+            # All-zero only when p_j == q_j numerically (then rejecting had probability 0): keep p_j.
+            if total > 0.0:
+                p = residual / total
+        if accepted is None:  # every sibling rejected: the correction comes from the final residual
+            return TreeVerifyResult(tuple(path), int(sample(p, generator)))
+        path.append(accepted)
+        node = accepted
+
+
+def verify_tree(
+    target_logits: torch.Tensor,
+    tree_tokens,
+    parents,
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """Greedy params -> :func:`verify_tree_greedy`; otherwise warp the target logits with the drafter's params
+    and :func:`verify_tree_rejection`."""
+    params.validate()
+    if params.is_greedy:
+        return verify_tree_greedy(target_logits, tree_tokens, parents)
+    if generator is None:
+        raise ValueError("a generator is required for non-greedy verification (temperature > 0)")
+    return verify_tree_rejection(warp_probs(target_logits, params), draft_probs, tree_tokens, parents, generator)
 
 
 # --------------------------------------------------------------------------------------------

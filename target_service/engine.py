@@ -22,6 +22,7 @@ class VerifyOutcome:
     cached_len: int
     verify_ms: float
     batch_size: int = 1
+    accepted_nodes: tuple[int, ...] = ()  # tree speculation: the accepted path's node indices
 
 
 @dataclass
@@ -34,6 +35,7 @@ class VerifyJob:
     params: SamplingParams
     seed: int
     step: int
+    tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
     result: VerifyOutcome | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -108,8 +110,10 @@ class TargetEngine:
             return len(sess.tokens)
 
     def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int) -> VerifyOutcome:
-        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step)
+               draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int,
+               tree_parents: list[int] | None = None) -> VerifyOutcome:
+        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step,
+                        None if tree_parents is None else list(tree_parents))
         if self.batcher is not None:
             return self.batcher.submit(job)
         self.verify_many([job])
@@ -117,6 +121,15 @@ class TargetEngine:
 
     def verify_many(self, jobs: list["VerifyJob"]) -> None:
         """Verify blocks of several sessions with ONE forward pass; each job gets its outcome or its error."""
+        trees = [job for job in jobs if job.tree_parents is not None]
+        if trees:  # a token tree has its own mask: one forward per tree (see target_service/tree.py)
+            from target_service.tree import verify_tree_job
+
+            for job in trees:
+                verify_tree_job(self, job)
+            jobs = [job for job in jobs if job.tree_parents is None]
+            if not jobs:
+                return
         seen, first, later = set(), [], []
         for job in jobs:  # two blocks of one session cannot share a forward: the second goes next
             (later if job.session_id in seen else first).append(job)

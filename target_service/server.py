@@ -52,6 +52,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sid = require_session_id(request.session_id)
         prefix_len, delta = self._delta(request.delta)
         params = wire.sampling_from_proto(request.sampling)
+        if len(request.tree.tokens) or len(request.tree.parents):
+            return self._verify_tree(sid, request, prefix_len, delta, params)
         draft = wire.check_token_ids(request.draft_tokens, self.engine.vocab_size, "draft_tokens")
         if len(draft) > self.engine.max_draft_len:
             raise RpcAbort(
@@ -67,6 +69,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.VerifyResponse(
             num_accepted=out.num_accepted, next_token=out.next_token, cached_len=out.cached_len, verify_ms=out.verify_ms
         )
+
+    MAX_TREE_NODES = 64
+
+    def _verify_tree(self, sid, request, prefix_len, delta, params):
+        """Tree speculation: the token tree in request.tree, verified in one forward pass."""
+        from specdec import tree as tree_mod
+
+        if len(request.draft_tokens) or len(request.draft_probs):
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "send either draft_tokens or a tree, not both")
+        msg = request.tree
+        tokens = wire.check_token_ids(msg.tokens, self.engine.vocab_size, "tree tokens")
+        if len(tokens) > self.MAX_TREE_NODES:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{len(tokens)} tree nodes exceed this target's limit of {self.MAX_TREE_NODES}")
+        parents = tree_mod.check_parents(msg.parents, len(tokens))
+        probs = None
+        if not params.is_greedy:
+            probs = wire.decode_distributions(msg.probs, self.engine.vocab_size, len(tokens))
+        with telemetry.span("target.verify", session_id=sid, draft_tokens=len(tokens), tree=True):
+            out = self.engine.verify(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
+                                     request.step, tree_parents=parents)
+        telemetry.record_verify(len(tokens), out.num_accepted, out.verify_ms)
+        return target_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token=out.next_token,
+                                         cached_len=out.cached_len, verify_ms=out.verify_ms,
+                                         accepted_nodes=list(out.accepted_nodes))
 
     @handle_errors
     def Decode(self, request, context):

@@ -97,5 +97,7 @@ def test_commit_is_one_round_trip(redis_url):
     assert len(calls) == 1
     back = store.load("rt-test")
     assert back.generated == [3, 4, 5] and back.step == 1
+    store.commit(rec, [3, 4, 5])  # a retry after a lost reply must not store the block twice
+    assert store.load("rt-test").generated == [3, 4, 5]
     store.delete("rt-test")
     assert store.load("rt-test") is None

@@ -94,3 +94,31 @@ def test_checks_and_report_without_services():
     assert not checks({**res, "resumes": 1})["streams_never_broken"]
     table = markdown([{**res, "ok": True}])
     assert table.splitlines()[2].startswith("| kill_draft | 3 | 3 | 0 | 0 |")
+
+
+def test_store_commit_survives_a_lost_exec_reply(redis_server):
+    """What redis_restart hits by chance, made deterministic: Redis applies a commit but its reply is lost;
+    the orchestrator's store retry (Generation._store) must not store the block twice."""
+    import threading
+    import types
+
+    from chaos.redis_proxy import ExecReplyDroppingProxy
+    from orchestrator.generation import Generation, LoopConfig
+    from orchestrator.session_store import RedisSessionStore, SessionRecord
+
+    proxy = ExecReplyDroppingProxy(redis_server.port)
+    try:
+        store = RedisSessionStore(proxy.url)
+        rec = SessionRecord("chaos-lost-reply", [1, 2, 3], {"owner": ""})
+        store.create(rec)
+        gen = types.SimpleNamespace(cfg=LoopConfig(store_grace_s=5.0), cancel=threading.Event(), rec=rec)
+        for block in ([7, 8], [9, 10], [11]):
+            if block == [9, 10]:
+                proxy.drop_next_exec_reply()
+            rec.generated += block
+            Generation._store(gen, store, lambda b=block: store.commit(rec, b))
+        assert proxy.dropped == 1
+        stored = RedisSessionStore(redis_server.url).load(rec.session_id).generated
+        assert stored == rec.generated == [7, 8, 9, 10, 11], f"stored {stored}"
+    finally:
+        proxy.close()

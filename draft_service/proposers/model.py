@@ -47,6 +47,12 @@ class ModelProposer(Proposer):
             probs = torch.stack(rows) if rows else None
             return Proposal(tokens, probs, len(sess.tokens))
 
+    def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step):
+        """Tree speculation: a token tree instead of a chain (see draft_service/proposers/tree.py)."""
+        from draft_service.proposers.tree import propose_tree
+
+        return propose_tree(self, session_id, prefix_len, delta, shape, params, seed, step)
+
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)
 

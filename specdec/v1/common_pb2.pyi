@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -53,6 +53,16 @@ class ModelInfo(_message.Message):
     dtype: str
     strategy: str
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ...) -> None: ...
+
+class TokenTree(_message.Message):
+    __slots__ = ("parents", "tokens", "probs")
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedCompositeFieldContainer[Distribution]
+    def __init__(self, parents: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[Distribution, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -22,32 +22,36 @@ class PrefillResponse(_message.Message):
     def __init__(self, cached_len: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "delta", "draft_tokens", "draft_probs", "sampling", "step")
+    __slots__ = ("session_id", "delta", "draft_tokens", "draft_probs", "sampling", "step", "tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     delta: _common_pb2.TokenDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sampling: _common_pb2.SamplingParams
     step: int
-    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    tree: _common_pb2.TokenTree
+    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "cached_len", "verify_ms")
+    __slots__ = ("num_accepted", "next_token", "cached_len", "verify_ms", "accepted_nodes")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     cached_len: int
     verify_ms: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "delta", "max_tokens", "sampling", "step", "stop_token_ids")
