@@ -68,6 +68,7 @@ class CircuitBreaker:
     def health_failed(self) -> None:
         with self._lock:
             if self.state != OPEN:
+                log.warning("draft replica failed its health check; breaker open")
                 self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
 
 
@@ -96,10 +97,12 @@ def _rank(session_id: str, address: str) -> int:
 
 class DraftPool:
     def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
-                 health_interval_s: float = 0.5, health_timeout_s: float = 0.3, on_info=None):
+                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
+                 breaker_failures: int = 2):
         if not addresses:
             raise ValueError("a draft pool needs at least one address")
-        self.replicas = [DraftReplica(a, CircuitBreaker(breaker_open_s, breaker_max_open_s)) for a in addresses]
+        self.replicas = [DraftReplica(a, CircuitBreaker(breaker_open_s, breaker_max_open_s, breaker_failures))
+                         for a in addresses]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.on_info = on_info  # called with (replica, ModelInfo) the first time a replica answers GetInfo

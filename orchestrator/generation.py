@@ -53,11 +53,11 @@ class LoopConfig:
     pipeline: str = "off"              # off | on | auto (prefetch only after a fully accepted block)
     draft_min_confidence: float = 0.0  # the draft stops early when its top probability falls below (llama.cpp p-min)
     fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
-    draft_timeout_floor_ms: float = 50.0
+    draft_timeout_floor_ms: float = 100.0
     draft_timeout_factor: float = 2.0  # x the measured target step: a slower draft is no help
     draft_first_call_timeout_ms: float = 5000.0  # a replica's first call per session prefills the prompt
     target_timeout_s: float = 30.0
-    target_grace_s: float = 15.0       # how long a step waits for a dead target to come back
+    target_grace_s: float = 30.0       # how long a step waits for a dead target to come back
     store_grace_s: float = 10.0        # how long a step waits for the session store to come back
     tree_budget: int = 0               # tree speculation: draft a token tree of this many nodes (0 = chain)
     tree_branch: int = 0               # children of an uncertain tree node (0 = the draft's default, 2)

@@ -265,7 +265,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_url: str,
                    tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
                    session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
-                   auth_tokens: list[str] = (), breaker_open_s: float = 1.0) -> OrchestratorServicer:
+                   auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
+                   breaker_failures: int = 2) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later)."""
     from specdec.models import load_tokenizer
 
@@ -276,7 +277,7 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
     draft_addrs = [a for a in (draft_addrs or []) if a]
     pool = None
     if draft_addrs:
-        pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s,
+        pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
                          on_info=lambda replica, info: check_compatible(target_info, info))
         for replica in pool.replicas:
             try:
@@ -329,10 +330,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
     p.add_argument("--fallback-chunk", type=int, default=4, help="tokens per target-only Decode when degraded")
-    p.add_argument("--draft-timeout-floor-ms", type=float, default=50.0)
+    p.add_argument("--draft-timeout-floor-ms", type=float, default=100.0)
     p.add_argument("--draft-timeout-factor", type=float, default=2.0, help="x the measured target step time")
     p.add_argument("--breaker-open-s", type=float, default=1.0, help="how long a failed draft replica is skipped")
-    p.add_argument("--target-grace-s", type=float, default=15.0, help="wait this long for a dead target to return")
+    p.add_argument("--breaker-failures", type=int, default=2,
+                   help="consecutive draft failures (timeouts, errors) that open a replica's breaker")
+    p.add_argument("--target-grace-s", type=float, default=30.0, help="wait this long for a dead target to return")
     p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
     p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
                    help="file with one bearer token per line; when set, the public API requires one")
@@ -359,7 +362,7 @@ def serve(args: argparse.Namespace) -> None:
             tokens = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
-                              breaker_open_s=args.breaker_open_s)
+                              breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)

@@ -32,9 +32,9 @@ class ServiceProcess:
             i = self.args.index("--listen")
             self.args[i + 1] = self.address
         self._ready.clear()
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *self.args],
-                                     stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *self.args],
+                                         stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
         threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
         return self
 

@@ -1,0 +1,52 @@
+"""Tree speculative sampling through the real services reproduces the target's distribution.
+
+Same set-up as tests/test_sampling_distribution_e2e.py (vocabulary-8 tiny models, exact joint distribution of
+the first 3 generated tokens, chi-square at alpha = 1e-3 with fixed seeds), with the orchestrator in tree mode
+(always branching, so siblings after the first are verified against the residual all the time). A verifier
+that does not update the residual between siblings must fail it.
+"""
+
+import pytest
+
+from specdec import sampling
+from tests.harness import start_stack
+from tests.stats import chi_square_test
+from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_SAMPLES, PARAMS, TARGET, draw
+from tests.test_sampling_distribution_e2e import expected  # noqa: F401 - fixture
+from tests.test_tree_sampling import broken_no_residual_update
+
+
+@pytest.fixture(scope="module")
+def tree_stack(redis_url):
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(tree_budget=5, tree_branch=2, tree_branch_below=1.0, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, target=TARGET, draft=DRAFT, cfg=cfg)
+    yield s
+    s.stop()
+
+
+def test_tree_speculative_sampling_matches_target_distribution(tree_stack, expected, monkeypatch):  # noqa: F811
+    real = sampling.verify_tree
+    later_sibling = [0]
+
+    def spy(target_logits, tokens, parents, draft_probs, params, generator):
+        res = real(target_logits, tokens, parents, draft_probs, params, generator)
+        kids = [[i for i, p in enumerate(parents) if p == node] for node in [-1, *res.path]]
+        later_sibling[0] += any(node != sibs[0] for node, sibs in zip(res.path, kids))
+        return res
+
+    monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
+    samples, acceptance = draw(tree_stack, N_SAMPLES)
+    assert 0.05 < acceptance < 0.95, "the tree must be accepted sometimes and rejected sometimes"
+    assert later_sibling[0] > N_SAMPLES // 20, "second siblings must get accepted for this to test anything"
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value > ALPHA, f"tree speculative samples differ from the target distribution (p={p_value:.2e})"
+
+
+def test_broken_tree_verifier_fails_the_test(tree_stack, expected, monkeypatch):  # noqa: F811
+    """Testing every sibling against the original p (no residual update) is biased: the test must catch it."""
+    monkeypatch.setattr("target_service.tree.sampling.verify_tree", broken_no_residual_update)
+    samples, _ = draw(tree_stack, N_SAMPLES // 2)
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value < ALPHA, f"a broken tree verifier passed the distribution test (p={p_value:.3f})"
