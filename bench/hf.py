@@ -81,25 +81,38 @@ def _session(loaded, ids: list[int]):
     return lm, sess, tok
 
 
-def decode_step_ms(loaded, ids: list[int], steps: int = 12) -> float:
-    """Median time of one cached single-token forward (a plain decode step) after prefilling ``ids``."""
-    lm, sess, tok = _session(loaded, ids)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        tok = int(lm.extend(sess, [tok])[-1].argmax())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def step_costs(target, draft, ids: list[int], sizes: list[int], reps: int = 8) -> dict:
+    """Median forward times, interleaved so drift of a shared machine hits every number alike.
 
-
-def block_forward_ms(loaded, ids: list[int], n: int, reps: int = 6) -> float:
-    """Median time of one cached forward over ``n`` new tokens (a verify of g = n - 1 drafts), cropped back after."""
-    lm, sess, tok = _session(loaded, ids)
-    base = len(sess.tokens)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        lm.extend(sess, [tok] * n)
-        times.append((time.perf_counter() - t0) * 1e3)
-        lm.crop(sess, base)
-    return statistics.median(times)
+    Each repetition times, in an order rotated per repetition, one cached forward of n new tokens on the
+    target for n in ``[1] + sizes`` (each cropped back afterwards, so the context stays the prompt), and
+    after each of them one single-token draft step (when there is a draft model)."""
+    t_lm, t_sess, tok = _session(target, ids)
+    t_base = len(t_sess.tokens)
+    d = None
+    if draft is not None:
+        d_lm, d_sess, d_tok = _session(draft, ids)
+        d = (d_lm, d_sess, d_tok, len(d_sess.tokens))
+    order = [1] + [n for n in sizes if n != 1]
+    times: dict[int, list[float]] = {n: [] for n in order}
+    dtimes: list[float] = []
+    for r in range(reps + 1):  # repetition 0 is a warm-up
+        k = r % len(order)
+        for n in order[k:] + order[:k]:
+            t0 = time.perf_counter()
+            t_lm.extend(t_sess, [tok] * n)
+            dt = (time.perf_counter() - t0) * 1e3
+            t_lm.crop(t_sess, t_base)
+            if r:
+                times[n].append(dt)
+            if d is not None:
+                d_lm, d_sess, d_tok, d_base = d
+                t0 = time.perf_counter()
+                d_lm.extend(d_sess, [d_tok])
+                dt = (time.perf_counter() - t0) * 1e3
+                d_lm.crop(d_sess, d_base)
+                if r:
+                    dtimes.append(dt)
+    med = statistics.median
+    return {"target_ms": {n: med(v) for n, v in times.items()}, "draft_step_ms": med(dtimes) if dtimes else None,
+            "reps": reps}

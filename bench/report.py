@@ -13,6 +13,10 @@ def _f(x, nd=2, suffix=""):
     return f"{x:.{nd}f}{suffix}"
 
 
+def _g(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
 def _spread(sp) -> str:
     if not sp:
         return ""
@@ -79,7 +83,7 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {c['label']} | {g} | {_f(c.get('tokens_per_s'))} | {_f(c.get('speedup_vs_target_only'))}"
             f"{_spread(c.get('speedup_per_prompt'))} | {_f(c.get('acceptance_rate'))} | {_f(c.get('alpha'), 3)} | "
-            f"{_f(c.get('mean_accepted_length'))} | {_f(c.get('cost_ratio_c'), 3)} | {_f(c.get('predicted_speedup'))} | "
+            f"{_f(c.get('mean_accepted_length'))} | {_g(c.get('cost_ratio_c'))} | {_f(c.get('predicted_speedup'))} | "
             f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('predicted_speedup_measured_verify_cost'))} | "
             f"{_f(c.get('measured_over_predicted_measured_verify_cost'))} | {_f(c.get('output_matches_target_only'))} |")
     hf = [c for c in res["configs"] if c.get("settings")]
@@ -108,7 +112,7 @@ def markdown(res: dict) -> str:
     mb, ov = res["microbench"], res["overheads"]
     lines += ["", "## Per-step costs", "",
               f"- target decode step (1 token, in-process): {_f(mb['target_step_ms'], 1)} ms; draft step: "
-              f"{_f(mb.get('draft_step_ms'), 2)} ms; c = {_f(mb.get('c'), 3)}",
+              f"{_f(mb.get('draft_step_ms'), 2)} ms; c = {_g(mb.get('c'))}",
               "- target forward over n tokens vs one step: " + ", ".join(
                   f"n={k}: {_f(v, 1)} ms ({_f(mb['verify_cost_vs_step'][k])}x)" for k, v in mb["target_block_ms"].items()),
               f"- loopback gRPC: empty unary round trip {_f(ov.get('grpc_unary_roundtrip_ms'), 2)} ms; Verify "

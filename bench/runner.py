@@ -10,7 +10,6 @@ spread over all of them); then the concurrency sweep, its session counts also ro
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -268,20 +267,21 @@ def run_sessions_level(n: int, jobs: list[tuple[str, list[int]]], max_new: int, 
 # ------------------------------------------------------------------------------------------------
 
 
-def microbench(target, draft, ids: list[int], draft_lens: list[int]) -> dict:
-    from bench.hf import block_forward_ms, decode_step_ms
+def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int = 8) -> dict:
+    """Target step time, (g+1)-token verify forwards and the draft step, in this process on the services'
+    KV-cache code path, interleaved (see bench.hf.step_costs)."""
+    from bench.hf import step_costs
 
-    decode_step_ms(target, ids, steps=3)  # warm-up
-    t = decode_step_ms(target, ids)
-    out = {"target_step_ms": t, "target_block_ms": {}, "draft_step_ms": None, "c": None}
-    for n in range(2, max(draft_lens) + 3):  # verify blocks of g + 1 tokens, g = 1 .. max + 1
-        out["target_block_ms"][str(n)] = block_forward_ms(target, ids, n, reps=4)
+    sizes = list(range(2, max(draft_lens) + 3))  # verify blocks of g + 1 tokens, g = 1 .. max + 1
+    r = step_costs(target, draft, ids, sizes, reps=reps)
+    t = r["target_ms"][1]
+    out = {"target_step_ms": t, "target_block_ms": {str(n): r["target_ms"][n] for n in sizes},
+           "draft_step_ms": r["draft_step_ms"], "c": None, "reps": reps,
+           "note": "medians of interleaved in-process forwards (torch threads as the services) after prefilling "
+                   "the first prompt; c = draft step / target step"}
     out["verify_cost_vs_step"] = {k: v / t for k, v in out["target_block_ms"].items()}
-    if draft is not None:
-        decode_step_ms(draft, ids, steps=3)
-        d = decode_step_ms(draft, ids, steps=24)
-        out["draft_step_ms"] = d
-        out["c"] = d / t
+    if r["draft_step_ms"] is not None:
+        out["c"] = r["draft_step_ms"] / t
     return out
 
 
@@ -523,9 +523,15 @@ def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tupl
                "mean_accepted_length": ((st["draft_tokens_accepted"] + st["verify_steps"]) / st["verify_steps"]
                                         if st["verify_steps"] else None),
                "target_verify_ms_per_step": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
+               "plain_decode_step_fraction": (st["decode_steps"] / (st["decode_steps"] + st["verify_steps"])
+                                              if st["decode_steps"] + st["verify_steps"] else None),
                "service_stats": st}
         rows.append(row)
     return rows
+
+
+def ratio_or_none(a: dict, b: dict, key: str = "target_verify_ms_per_step") -> float | None:
+    return analysis.ratio(a.get(key), b.get(key))
 
 
 def _fmt(x, nd=2):
@@ -572,7 +578,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
             parts.append(f"the paper's model predicts {_fmt(hp)}x at the measured acceptance "
                          f"(accepted/proposed {_fmt(head.get('acceptance_rate'))}, alpha {_fmt(head.get('alpha'))}, "
                          f"mean accepted length {_fmt(head.get('mean_accepted_length'))}, mean g "
-                         f"{_fmt(head.get('mean_draft_len'))}, c {_fmt(head.get('cost_ratio_c'), 3)})")
+                         f"{_fmt(head.get('mean_draft_len'))}, c {head.get('cost_ratio_c') or 0:.3g})")
             if hpv is not None:
                 parts.append(f"{_fmt(hpv)}x with the verify cost measured on this CPU (a "
                              f"{_fmt((head.get('mean_draft_len') or 0) + 1, 1)}-token forward = "
@@ -594,7 +600,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
         return (f"not met: {head.get('name')} {_fmt(head.get('tokens_per_s'))} tok/s vs best sequential "
                 f"{seq.get('name')} {_fmt(seq.get('tokens_per_s'))} tok/s (same draft-length policy: "
                 f"{_fmt(res.get('pipelined_vs_sequential_same_policy'))}x); pipelining hides the draft time, here "
-                f"{_fmt(head.get('draft_ms_per_token'), 2)} ms per draft token (c = {_fmt(head.get('cost_ratio_c'), 3)}), "
+                f"{_fmt(head.get('draft_ms_per_token'), 3)} ms per draft token (c = {head.get('cost_ratio_c') or 0:.3g}), "
                 f"and on {res['machine']['cpus']} shared CPU cores draft and target compete for the same cores")
     if key == "measured_over_predicted":
         return (f"not met: measured {_fmt(head.get('speedup_vs_target_only'))}x vs predicted {_fmt(hp)}x. The paper's "
@@ -614,7 +620,9 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 f"each model service runs {res['settings']['threads']} torch thread); batched verification "
                 f"{'on (--batch-window-ms ' + _fmt(r8.get('batch_window_ms'), 1) + ')' if r8.get('batched_verification') else 'not available'}; "
                 f"target verify per step grew from {_fmt(r1.get('target_verify_ms_per_step'))} to "
-                f"{_fmt(r8.get('target_verify_ms_per_step'))} ms")
+                f"{_fmt(r8.get('target_verify_ms_per_step'))} ms ({_fmt(ratio_or_none(r8, r1))}x for "
+                f"{r8.get('sessions')}x the sessions); {_fmt(100 * (r8.get('plain_decode_step_fraction') or 0), 0)}% of "
+                "the steps were plain target Decode calls (nothing drafted), which the target does not batch")
     return ""
 
 

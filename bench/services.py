@@ -4,11 +4,12 @@ All are real processes on loopback (children of the benchmark), started with the
 ``specdec serve`` command lines as :class:`specdec.stack.LocalStack`. Orchestrators differ only in
 their flags and share the target, the draft and Redis, so a configuration switch costs no model load:
 
-* ``sequential``: ``--draft-len 4 --adaptive-draft-len``. A request with ``max_draft_len = g`` runs a fixed
+* ``orch-sequential``: ``--draft-len 4 --adaptive-draft-len``. A request with ``max_draft_len = g`` runs a fixed
   draft length g; ``max_draft_len = 0`` runs the adaptive schedule; ``speculation = off`` is target-only.
-* ``pipelined``: the same plus ``--pipeline`` (when the orchestrator has that flag).
-* ``sessions``: the headline orchestrator flags, pointed at a second target started with
-  ``--batch-window-ms`` (when the target has that flag) for the concurrency sweep.
+* ``orch-pipe-on`` / ``orch-pipe-auto``: the same plus ``--pipeline on`` / ``auto`` (a switch-style
+  ``--pipeline`` works too), when the orchestrator has that flag.
+* ``orch-sessions-batched``: started after the single-session sweep with the headline configuration's
+  flags, pointed at a second target started with ``--batch-window-ms`` (when the target has that flag).
 """
 
 from __future__ import annotations

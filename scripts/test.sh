@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=1
 .venv/bin/python -m specdec.genproto --check
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=15 "$@"
