@@ -230,6 +230,13 @@ def _verification(servicer) -> dict:
                     "leave the target service, which answers (num_accepted, next_token)"),
         "randomness": "seeded per (seed, step, stream): a resumed session draws the same random numbers",
         "lossless": True,
+        **({"tree": ("tree speculation (--tree-budget): the whole token tree is verified in one target forward "
+                     "(tree attention mask, positions = context + depth); greedy follows the child equal to the "
+                     "target's argmax; sampling tries the siblings in draw order, accepting x_j with probability "
+                     "min(1, p_j(x_j)/q_j(x_j)) and else continuing with p_{j+1} = norm(max(0, p_j - q_j)) "
+                     "(SpecInfer multi-step speculative sampling; siblings drawn without replacement, q_j zeroes the "
+                     "earlier siblings); only the accepted path's KV is kept")}
+           if _tree_settings(getattr(servicer, "cfg", None)) else {}),
     }
 
 

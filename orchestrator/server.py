@@ -347,6 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
+    if not 0 <= args.tree_budget <= 64 or not 0 <= args.tree_branch <= 16 or not 0 <= args.tree_branch_below <= 1:
+        raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
