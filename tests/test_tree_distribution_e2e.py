@@ -11,7 +11,7 @@ import pytest
 from specdec import sampling
 from tests.harness import start_stack
 from tests.stats import chi_square_test
-from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_SAMPLES, PARAMS, TARGET, draw
+from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_SAMPLES, TARGET, draw
 from tests.test_sampling_distribution_e2e import expected  # noqa: F401 - fixture
 from tests.test_tree_sampling import broken_no_residual_update
 

@@ -16,7 +16,7 @@ from specdec import wire
 from specdec.sampling import (SamplingParams, TreeVerifyResult, make_generator, sample, sample_siblings,
                               verify_rejection, verify_tree, verify_tree_greedy, verify_tree_rejection, warp_probs)
 from tests.stats import chi_square_test, total_variation
-from tests.test_sampling import ALPHA, DRAFT, N_TOKENS, TARGET, VOCAB, exact_joint
+from tests.test_sampling import ALPHA, DRAFT, N_TOKENS, TARGET, exact_joint
 
 N_SAMPLES = 3000
 
