@@ -71,7 +71,7 @@ class Config:
 
     @property
     def speculative(self) -> bool:
-        return self.kind in ("specdec-sequential", "specdec-pipelined")
+        return self.kind in ("specdec-sequential", "specdec-pipelined", "specdec-tree")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,6 +163,9 @@ def orchestrator_specs(args, flags: dict) -> dict:
         specs["orch-pipe-on"] = ("target", modes["on"])
     if "auto" in modes and not args.quick:
         specs["orch-pipe-auto"] = ("target", modes["auto"])
+    # Tree speculation at the largest draft length's node budget (equal budget to that chain).
+    g = max(args.draft_lens)
+    specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
     return specs
 
 
@@ -208,6 +211,10 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     if "orch-pipe-auto" in specs:
         cfgs.append(sd("specdec-pipe-auto-adaptive", "specdec-pipelined", "specdec pipelined (auto), adaptive g",
                        "orch-pipe-auto", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    for orch in (o for o in specs if o.startswith("orch-tree-n")):
+        g = int(orch.removeprefix("orch-tree-n"))
+        cfgs.append(sd(f"specdec-tree-n{g}", "specdec-tree",
+                       f"specdec tree, node budget {g} (vs chain g={g})", orch, True, g))
     if args.pipelined_sweep:
         for g in args.draft_lens:
             cfgs.append(sd(f"specdec-pipe-g{g}", "specdec-pipelined", f"specdec pipelined (on), g={g}", "orch-pipe-on",

@@ -146,3 +146,13 @@ def test_bench_writes_table_and_plot(bench_run):
     png = (out / "latest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert json.loads((out / "latest.json").read_text())["headline_config"] == res["headline_config"]
+
+
+def test_tree_configuration_is_benchmarked_against_the_chain(bench_run):
+    res, _ = bench_run
+    by_name = {c["name"]: c for c in res["configs"]}
+    tree, chain = by_name["specdec-tree-n3"], by_name["specdec-seq-g3"]
+    assert tree["available"], tree.get("reason")
+    assert tree["output_matches_target_only"] == 1.0
+    for key in ("tokens_per_s", "mean_accepted_length"):
+        assert key in tree and key in chain
