@@ -11,7 +11,7 @@ import sys
 def _stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram"], default="auto",
-                   help="auto: the distilled draft if `specdec distill` has cached it, else n-gram prompt lookup")
+                   help="auto: the distilled draft if `specdec distill` cached one whose report predicts a speedup, else n-gram prompt lookup")
     p.add_argument("--draft-model", default="smollm2-draft")
     p.add_argument("--draft-replicas", type=int, default=1)
     p.add_argument("--draft-len", type=int, default=4)

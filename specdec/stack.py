@@ -110,10 +110,23 @@ def resolve_draft_strategy(cfg: StackConfig) -> str:
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy
     if cfg.target_model in ("smollm2", "smollm2-135m-instruct") and cfg.draft_model == "smollm2-draft":
-        from specdec.models import cache_dir
-
-        return "model" if (cache_dir() / "models" / "smollm2-draft" / "config.json").exists() else "ngram"
+        return "model" if distilled_draft_pays() else "ngram"
     return "model"
+
+
+def distilled_draft_pays() -> bool:
+    """Use the distilled draft only if `specdec distill` cached one whose own held-out measurement
+    predicts a speedup (its report: expected speedup from acceptance and cost ratio); else n-gram."""
+    import json
+
+    from specdec.models import cache_dir
+
+    d = cache_dir() / "models" / "smollm2-draft"
+    try:
+        report = json.loads((d / "distill_report.json").read_text())
+        return (d / "config.json").exists() and float(report["latency"]["float32"]["expected_speedup_iid"]) > 1.0
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
 
 
 class LocalStack:
