@@ -18,12 +18,19 @@ Pipeline (see docs/distill.md for the design and measured numbers):
    only.  Teacher data is cached under ``cache_dir()/distill`` keyed by a hash
    of everything that determines it (``--no-teacher-cache`` to disable).
 2. **Student.**  A small Llama (default 2 layers, hidden 256) with the target's
-   vocabulary and tokenizer and tied embeddings.  Its embedding matrix is
-   initialised from a truncated SVD (PCA) of the target's (centred) output
-   embedding matrix.
-3. **Training.**  KL(target || student) on the (top-k + tail) target
-   distributions, AdamW with warm-up and cosine decay, a fixed number of steps
-   (``--steps``; reproducible from ``--seed``) capped by ``--time-budget-s``.
+   vocabulary and tokenizer and tied embeddings.  Its embedding / head is the
+   target's embedding projected on the top principal directions of the
+   target's final (normed) hidden states ("hidden-pca"; ``--init svd`` uses a
+   truncated SVD of the embedding matrix instead, which keeps far less of the
+   target's argmax: see docs/distill.md).
+3. **Training.**  Phase 1 (``--pre-steps``): regress the student's final
+   hidden state onto the target's (in the PCA coordinates) -- no
+   vocabulary-sized matmul, so cheap.  Phase 2 (``--steps``):
+   KL(target || student) on the (top-k + tail) target distributions with a
+   sampled softmax (batch candidates + ``--neg-samples`` random ids), plus the
+   hidden-state MSE.  AdamW, warm-up + cosine decay, bfloat16 autocast; fixed
+   step counts (reproducible from ``--seed``), capped by ``--time-budget-s``
+   and ``--total-budget-s`` (whole run).
 4. **Evaluation** on the held-out continuations: greedy acceptance rate per
    position (student argmax == target argmax along the target's own greedy
    continuation) and the mean accepted length for draft length ``--gamma``
@@ -96,11 +103,12 @@ class DistillConfig:
     text_batch: int = 16
     gen_max_new: int = 128
     gen_batch: int = 32
-    sample_fraction: float = 0.34  # fraction of training prompts continued by sampling
+    sample_fraction: float = 1 / 3  # fraction of training prompts continued by sampling
     sample_temperature: float = 0.8
     sample_top_p: float = 0.95
+    prompt_positions: bool = True  # also train on the teacher's distributions at (training) prompt positions
     # training
-    steps: int = 300
+    steps: int = 200
     batch_tokens: int = 2048
     lr: float = 3e-3
     embed_lr_mult: float = 0.3  # lr multiplier for the (tied) embedding; 0 freezes it
@@ -108,7 +116,7 @@ class DistillConfig:
     warmup_frac: float = 0.05
     grad_clip: float = 1.0
     mse_weight: float = 1.0  # + weight * MSE(student final hidden, teacher final hidden in PCA coordinates)
-    pre_steps: int = 600  # phase 1: hidden-state MSE only (no vocabulary projection: cheap), frozen embedding
+    pre_steps: int = 400  # phase 1: hidden-state MSE only (no vocabulary projection: cheap), frozen embedding
     pre_batch_tokens: int = 4096
     pre_lr: float = 3e-3
     neg_samples: int = 4096  # sampled softmax: batch top-k ids + this many random others (0 = full vocab)
@@ -131,6 +139,7 @@ QUICK_OVERRIDES: dict[str, Any] = dict(
     gen_max_new=48,
     gen_batch=16,
     steps=25,
+    pre_steps=40,
     batch_tokens=1024,
     time_budget_s=60.0,
     total_budget_s=150.0,
@@ -612,6 +621,7 @@ def teacher_generations(
     teacher: Any, tokenizer: Any, prompts: Sequence[str], max_new: int, batch: int, k: int, *,
     sample_mask: Sequence[bool] | None = None, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
     kind: str = "gen", progress: bool = True, desc: str = "teacher: generations", deadline: float | None = None,
+    prompt_positions: bool = False,
 ) -> TeacherData:
     """Continue each chat-templated prompt with the teacher (greedy, or sampled where ``sample_mask``).
 
@@ -620,6 +630,11 @@ def teacher_generations(
     batches are seeded from ``seed`` and the batch index, so the result is
     reproducible.  Batches run in a seeded shuffled order; none starts after
     ``deadline`` (``time.monotonic()``; then ``data.truncated`` is set).
+
+    With ``prompt_positions`` the teacher distributions at the prompt
+    positions (computed anyway during prefill; only the part after the prefix
+    common to all prompts, i.e. after the shared system prompt) are added as
+    extra ``"prompt"`` sequences.
     """
     eos = _eos_ids(teacher, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -630,8 +645,19 @@ def teacher_generations(
     groups = []
     for mode in (False, True):
         order = sorted((i for i in range(len(enc)) if sample_mask[i] == mode), key=lambda i: (len(enc[i]), i))
-        groups += [(mode, order[j:j + batch]) for j in range(0, len(order), batch)]
-    results: dict[int, tuple[torch.Tensor, int, torch.Tensor, str]] = {}
+        if order:  # equal-sized batches (no small leftover batch)
+            n_b = -(-len(order) // batch)
+            size = -(-len(order) // n_b)
+            groups += [(mode, order[j:j + size]) for j in range(0, len(order), size)]
+    common = 0
+    if prompt_positions and enc:
+        shortest = min(len(e) for e in enc)
+        while common < shortest and all(e[common] == enc[0][common] for e in enc):
+            common += 1
+        if len(enc) == 1:
+            common = 0
+    head = teacher.get_output_embeddings()
+    results: dict[int, TeacherData] = {}
     groups = [(gi, mode, idxs) for gi, (mode, idxs) in enumerate(groups)]
     random.Random(f"batches-{seed}").shuffle(groups)
     for done, (gi, do_sample, idxs) in enumerate(_tqdm(groups, desc=desc, unit="batch", disable=not progress)):
@@ -649,16 +675,25 @@ def teacher_generations(
         if do_sample:
             torch.manual_seed(seed * 100003 + gi)
             kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        with _FinalHidden(teacher, last_only=True) as cap:
+        with _FinalHidden(teacher, last_only=False) as cap:
             out = teacher.generate(
                 input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new, eos_token_id=eos,
                 pad_token_id=pad, output_logits=True, return_dict_in_generate=True, **kwargs,
             )
         gen = out.sequences[:, L:].cpu()
-        logits = torch.stack(out.logits, dim=1).cpu()  # (B, steps, V), raw
-        hid = torch.stack(cap.outputs[: logits.shape[1]], dim=1) if len(cap.outputs) >= logits.shape[1] else None
+        steps = out.logits  # tuple of (B, V) raw logits, one per generated token
         del out
+        n_steps = len(steps)
+        hid = (torch.stack([o[:, -1] for o in cap.outputs[:n_steps]], dim=1)
+               if len(cap.outputs) >= n_steps and n_steps else None)
+        prefill = cap.outputs[0] if cap.outputs and prompt_positions else None  # (B, L, H)
         for r, i in enumerate(idxs):
+            item = results[i] = TeacherData()
+            if prefill is not None and head is not None and len(enc[i]) - 1 > common:
+                lo = L - len(enc[i]) + common
+                ph = prefill[r, lo:L - 1]  # positions common .. len-2 predict prompt tokens common+1 ..
+                item.add(torch.tensor(enc[i]), common, head(ph.to(dev, head.weight.dtype)).float().cpu(), k,
+                         "prompt", ph)
             row = gen[r]
             n = row.shape[0]
             for j in range(n):
@@ -668,12 +703,12 @@ def teacher_generations(
             if n == 0:
                 continue
             seq = torch.cat([torch.tensor(enc[i]), row[:n]])
-            results[i] = (seq, len(enc[i]) - 1, logits[r, :n], kind + ("-sampled" if do_sample else ""),
-                          None if hid is None else hid[r, :n])
-        del logits
+            lg = torch.stack([steps[j][r] for j in range(n)]).cpu()
+            item.add(seq, len(enc[i]) - 1, lg, k, kind + ("-sampled" if do_sample else ""),
+                     None if hid is None else hid[r, :n])
+        del steps, prefill, hid, cap
     for i in sorted(results):  # original prompt order
-        seq, start, lg, kd, hd = results[i]
-        data.add(seq, start, lg, k, kd, hd)
+        data.extend(results[i])
     return data
 
 
@@ -1018,7 +1053,7 @@ def train_student(
     pre: dict[str, Any] = {"pre_steps": 0}
     if z is not None and cfg.pre_steps > 0:
         pre = _pretrain_hidden(student, data, z, z_scale, cfg, pad_id, gen, other,
-                               budget=0.4 * budget if budget else None)
+                               budget=0.55 * budget if budget else None)
         if budget:
             budget = max(1.0, budget - (time.monotonic() - t_start))
     groups = [{"params": other, "lr": cfg.lr, "lr_mult": 1.0}]
@@ -1175,27 +1210,32 @@ def expected_speedup(a: float, gamma: int, c: float) -> float:
 
 @torch.no_grad()
 def decode_latency_ms(model: Any, dtype: torch.dtype, prompt_len: int = 64, n_tokens: int = 32, vocab: int | None = None,
-                      repeats: int = 1) -> float:
-    """Median per-token latency (ms) of cached single-token decode steps (after a prefill)."""
+                      repeats: int = 3) -> float:
+    """Per-token latency (ms) of cached single-token decode steps after a prefill, batch 1.
+
+    The median step time of each of ``repeats`` runs, minimum over runs (robust to other load on the machine).
+    """
     from transformers import DynamicCache
 
     m = model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
     m.eval()
     V = vocab or int(m.config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    times = []
+    best = float("inf")
     for _ in range(repeats):
         ids = torch.randint(0, V, (1, prompt_len), generator=g)
         cache = DynamicCache(config=m.config)
         out = m(input_ids=ids, cache=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
+        times = []
         for _ in range(n_tokens):
             t0 = time.perf_counter()
             out = m(input_ids=tok, cache=cache, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1000.0 * times[len(times) // 2]
+        times.sort()
+        best = min(best, times[len(times) // 2])
+    return 1000.0 * best
 
 
 # --------------------------------------------------------------------------
@@ -1228,6 +1268,8 @@ def save_atomically(student: Any, tokenizer: Any, out: pathlib.Path, dtype: torc
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{int(time.time())}"
@@ -1254,7 +1296,7 @@ def _teacher_key(teacher: Any, tokenizer: Any, cfg: DistillConfig, texts: Sequen
     h.update(w[:: max(1, w.shape[0] // 64)].float().numpy().tobytes())
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     params = {k: getattr(cfg, k) for k in ("topk", "text_tokens", "text_seq_len", "gen_max_new", "sample_fraction",
-                                           "sample_temperature", "sample_top_p", "seed")}
+                                           "sample_temperature", "sample_top_p", "seed", "prompt_positions")}
     h.update(json.dumps([TEACHER_CACHE_FORMAT, params, list(texts), list(prompts), list(heldout)]).encode())
     return h.hexdigest()[:24]
 
@@ -1291,7 +1333,7 @@ def build_teacher_data(
         teacher, tokenizer, prompts, cfg.gen_max_new, cfg.gen_batch, cfg.topk,
         sample_mask=[i in sampled for i in range(len(prompts))], temperature=cfg.sample_temperature,
         top_p=cfg.sample_top_p, seed=cfg.seed, kind="gen", progress=cfg.progress,
-        desc="teacher: generations (train prompts)", deadline=gen_deadline,
+        desc="teacher: generations (train prompts)", deadline=gen_deadline, prompt_positions=cfg.prompt_positions,
     )
     timings["teacher_generations_s"] = time.monotonic() - t
     t = time.monotonic()
@@ -1389,6 +1431,7 @@ def run_distillation(
             "train_gen_positions": train.num_positions("gen") + train.num_positions("gen-sampled"),
             "train_gen_sampled_positions": train.num_positions("gen-sampled"),
             "train_text_positions": train.num_positions("text"),
+            "train_prompt_positions": train.num_positions("prompt"),
             "train_prompts": len(prompts), "heldout_prompts": len(heldout_prompts),
             "heldout_positions": held.num_positions(), "offline_text_documents": len(texts),
         },
@@ -1474,14 +1517,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampled softmax: random non-candidate ids per step (0 = full-vocabulary softmax)")
     p.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 autocast")
     p.add_argument("--topk", type=int, default=d.topk, help="teacher distribution: top-k log-probs + tail mass")
-    p.add_argument("--train-prompts", type=int, default=None, help="number of training prompts (default 160; quick 16)")
+    p.add_argument("--train-prompts", type=int, default=None, help="number of training prompts (default 192; quick 16)")
     p.add_argument("--heldout-prompts", type=int, default=None, help="number of held-out prompts (default 24; quick 8)")
     p.add_argument("--text-tokens", type=int, default=None, help=f"offline text tokens (default {d.text_tokens})")
     p.add_argument("--gen-max-new", type=int, default=None, help=f"max new tokens per generation (default {d.gen_max_new})")
     p.add_argument("--gen-batch", type=int, default=None)
     p.add_argument("--sample-fraction", type=float, default=d.sample_fraction,
                    help="fraction of training prompts continued by sampling (the rest greedy)")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {d.steps})")
+    p.add_argument("--pre-steps", type=int, default=None,
+                   help=f"phase-1 steps: hidden-state MSE only, cheap (default {d.pre_steps}; quick 40; 0 = none)")
+    p.add_argument("--steps", type=int, default=None, help=f"phase-2 (KL + MSE) training steps (default {d.steps})")
     p.add_argument("--batch-tokens", type=int, default=None, help=f"padded tokens per step (default {d.batch_tokens})")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--embed-lr-mult", type=float, default=d.embed_lr_mult, help="0 freezes the tied embedding")
@@ -1517,12 +1562,12 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress, mse_weight=args.mse_weight, neg_samples=args.neg_samples,
         autocast_bf16=not args.no_autocast,
     )
-    for name in ("text_tokens", "gen_max_new", "gen_batch", "steps", "batch_tokens", "time_budget_s", "total_budget_s"):
+    for name in ("text_tokens", "gen_max_new", "gen_batch", "steps", "pre_steps", "batch_tokens", "time_budget_s", "total_budget_s"):
         v = getattr(args, name)
         if v is not None:
             overrides[name] = v
     cfg = dataclasses.replace(cfg, **overrides)
-    n_train = args.train_prompts if args.train_prompts is not None else (16 if args.quick else 160)
+    n_train = args.train_prompts if args.train_prompts is not None else (16 if args.quick else 192)
     n_held = args.heldout_prompts if args.heldout_prompts is not None else (8 if args.quick else 24)
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "models" / (
         DRAFT_DIRNAME + ("-quick" if args.quick else ""))
@@ -1553,8 +1598,11 @@ def main(argv: list[str] | None = None) -> int:
         started_at=t0,
     )
     report["wall_s"] = round(time.monotonic() - t0, 2)
-    with open(out / REPORT_NAME, "w") as fh:  # add the final wall time
+    tmp = out / f".{REPORT_NAME}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:  # add the final wall time
         json.dump(report, fh, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out / REPORT_NAME)
     _print_summary(report, out)
     return 0
 

@@ -37,7 +37,7 @@ def _cfg(**kw) -> distill.DistillConfig:
         layers=1, hidden=32, heads=2, kv_heads=2, intermediate=64, topk=16,
         text_tokens=1024, text_seq_len=32, text_batch=8, gen_max_new=24, gen_batch=8,
         steps=60, batch_tokens=256, lr=1e-2, embed_lr_mult=1.0, time_budget_s=0.0,
-        save_dtype="float32", progress=False, seed=7,
+        save_dtype="float32", progress=False, seed=7, pre_steps=30, pre_batch_tokens=256,
     )
     base.update(kw)
     return distill.DistillConfig(**base)
@@ -56,7 +56,7 @@ def test_distill_tiny_teacher_end_to_end(tmp_path):
     )
     h = report["heldout"]
     assert report["data"]["train_gen_positions"] > 0 and report["data"]["train_text_positions"] > 0
-    assert report["data"]["heldout_positions"] > 0
+    assert report["data"]["heldout_positions"] > 0 and report["data"]["train_prompt_positions"] > 0
     assert report["train"]["steps"] == cfg.steps and not report["train"]["stopped_by_time_budget"]
     # distillation reduced the held-out KL to the teacher
     assert h["kl_final"] < 0.8 * h["kl_init"], h
