@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger("specdec.distill")
 
