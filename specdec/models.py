@@ -374,6 +374,18 @@ def _file_lock(lock_path: pathlib.Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def replace_dir(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Move a fully written `tmp` directory to `final`, swapping out any old one, so a reader never sees
+    a half-written directory."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.tmp-old-{os.getpid()}-{int(time.time())}"  # swept like other temp dirs
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def ensure_cached_model(
     name: str,
     build: Callable[[pathlib.Path], None],
@@ -422,14 +434,9 @@ def ensure_cached_model(
                 fh.flush()
                 os.fsync(fh.fileno())
             os.chmod(tmp, 0o755)
-            old = None
             if final.exists():
-                old = root / f".{name}.tmp-old-{os.getpid()}"
                 logger.info("replacing outdated or incomplete cache dir %s", final)
-                os.rename(final, old)
-            os.rename(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            replace_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
