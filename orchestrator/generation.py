@@ -14,14 +14,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
-from specdec import telemetry
+from specdec import telemetry, wire
 from specdec.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2 as opb
 
@@ -120,15 +119,12 @@ class DraftLength:
 
 
 def _valid_distributions(msgs, vocab_size: int) -> bool:
-    for m in msgs:
-        values = np.frombuffer(m.values_fp16, dtype="<f2")
-        if len(m.indices) == 0:
-            if values.size != vocab_size:
-                return False
-        elif len(m.indices) != values.size or max(m.indices) >= vocab_size:
-            return False
-        if not np.all(np.isfinite(values)) or np.any(values < 0) or not values.any():
-            return False
+    """The same checks the target applies (wire.decode_distribution): a draft is never trusted blindly."""
+    try:
+        for m in msgs:
+            wire.decode_distribution(m, vocab_size)
+    except ValueError:
+        return False
     return True
 
 
