@@ -100,15 +100,20 @@ def markdown(res: dict) -> str:
                   + ", ".join(res['settings']['session_prompts']) + " and are drained by N client threads "
                   "(closed loop); aggregate tokens/s = all tokens / wall time of the whole batch.", "",
                   "| sweep | sessions | aggregate tokens/s | vs 1 session | mean per-session tokens/s | accept rate | "
-                  "target verify ms/step |", "|---|---|---|---|---|---|---|"]
+                  "target verify ms/step | steps target-only by load switch |", "|---|---|---|---|---|---|---|---|"]
         for r in sess:
             if not r.get("available"):
-                lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | |")
+                lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | | |")
                 continue
             lines.append(f"| {r['sweep']}{' (--batch-window-ms ' + _f(r['batch_window_ms'], 1) + ')' if r.get('batched_verification') else ''} "
                          f"| {r['sessions']} | {_f(r['tokens_per_s'])} | {_f(r['throughput_vs_1_session'])} | "
                          f"{_f(r['mean_session_tokens_per_s'])} | {_f(r.get('acceptance_rate'))} | "
-                         f"{_f(r.get('target_verify_ms_per_step'), 1)} |")
+                         f"{_f(r.get('target_verify_ms_per_step'), 1)} | {_f(r.get('load_shed_step_fraction'))} |")
+        seen = {}
+        for r in sess:
+            if r.get("available") and r["sweep"] not in seen:
+                seen[r["sweep"]] = " ".join(r.get("orchestrator_flags") or [])
+        lines += [""] + [f"- {sweep} orchestrator: `{flags}`" for sweep, flags in seen.items()]
     mb, ov = res["microbench"], res["overheads"]
     lines += ["", "## Per-step costs", "",
               f"- target decode step (1 token, in-process): {_f(mb['target_step_ms'], 1)} ms; draft step: "

@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also sweep sessions without --batch-window-ms (default: on; off in quick mode "
                         "when batching is available)")
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
+    p.add_argument("--speculation-max-sessions", type=int, default=4,
+                   help="the batched sessions sweep's orchestrator decodes target-only above this many generating "
+                        "sessions (0 = always speculate)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
@@ -387,7 +390,8 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
 
 def _sum_stats(samples: list[Sample]) -> dict:
     keys = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "decode_steps", "fallback_steps",
-            "draft_failures", "draft_ms", "verify_ms", "wall_ms", "pipeline_prefetches", "pipeline_hits")
+            "draft_failures", "draft_ms", "verify_ms", "wall_ms", "pipeline_prefetches", "pipeline_hits",
+            "load_shed_steps", "decode_ms")
     out = {k: sum(float(s.stats.get(k, 0) or 0) for s in samples) for k in keys}
     kinds: dict[str, float] = {}
     for s in samples:
@@ -532,6 +536,8 @@ def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tupl
                "target_verify_ms_per_step": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
                "plain_decode_step_fraction": (st["decode_steps"] / (st["decode_steps"] + st["verify_steps"])
                                               if st["decode_steps"] + st["verify_steps"] else None),
+               "load_shed_step_fraction": (st["load_shed_steps"] / (st["decode_steps"] + st["verify_steps"])
+                                           if st["decode_steps"] + st["verify_steps"] else None),
                "service_stats": st}
         rows.append(row)
     return rows
@@ -726,7 +732,10 @@ def run(args: argparse.Namespace) -> dict:
         sweeps = []
         if head_cfg is not None:
             if batched:
-                services.add_orchestrators({"orch-sessions-batched": ("target-batched", head_cfg.orchestrator_extra)})
+                extra = list(head_cfg.orchestrator_extra)
+                if flags["orchestrator --speculation-max-sessions"] and args.speculation_max_sessions:
+                    extra += ["--speculation-max-sessions", str(args.speculation_max_sessions)]
+                services.add_orchestrators({"orch-sessions-batched": ("target-batched", extra)})
                 sweeps.append(("sessions-batched", services.addresses["orch-sessions-batched"], True, "target-batched"))
             if unbatched:
                 sweeps.append(("sessions-unbatched", services.addresses[head_cfg.orchestrator], False, "target"))
@@ -751,7 +760,8 @@ def run(args: argparse.Namespace) -> dict:
                         levels[n].append((wall, samples))
                         progress.update(1)
                 session_rows += summarise_sessions(name, tkind, levels, is_batched, head_cfg,
-                                                   services.orchestrator_flags(head_cfg.orchestrator_extra),
+                                                   services.orchestrator_flags(extra if is_batched
+                                                                               else head_cfg.orchestrator_extra),
                                                    args.batch_window_ms if is_batched else None)
             except Exception as e:  # noqa: BLE001
                 log.error("%s failed: %s", name, e)

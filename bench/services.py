@@ -38,12 +38,13 @@ def available_flags() -> dict:
     ``pipeline_modes``: the orchestrator arguments that turn pipelining on: ``["--pipeline", "on"]`` and
     ``["--pipeline", "auto"]`` for a ``--pipeline {off,on,auto}`` option, ``["--pipeline"]`` for a switch."""
     out = {"orchestrator --pipeline": False, "orchestrator --adaptive-draft-len": False,
-           "target --batch-window-ms": False, "pipeline_modes": {}}
+           "target --batch-window-ms": False, "orchestrator --speculation-max-sessions": False, "pipeline_modes": {}}
     try:
         from orchestrator.server import add_arguments as orch_args
 
         actions = _parser(orch_args)._option_string_actions
         out["orchestrator --adaptive-draft-len"] = "--adaptive-draft-len" in actions
+        out["orchestrator --speculation-max-sessions"] = "--speculation-max-sessions" in actions
         a = actions.get("--pipeline")
         if a is not None:
             out["orchestrator --pipeline"] = True

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,8 +34,8 @@ FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
-            "pipeline_hits")
-TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms")
+            "pipeline_hits", "load_shed_steps")
+TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 
 
 class GenerationError(Exception):
@@ -49,7 +50,9 @@ class LoopConfig:
     default_draft_len: int = 4
     max_draft_len: int = 16
     adaptive_draft_len: bool = False   # per-session heuristic: grow on full acceptance, shrink on rejection
-    pipeline: str = "off"              # off | on | auto (prefetch only after a fully accepted block)
+    pipeline: str = "off"              # off | on | auto (prefetch when the measured saving beats its cost)
+    pipeline_min_gain_ms: float = 1.0  # auto: what a prefetch must save on average (about one extra RPC's cost)
+    speculation_max_sessions: int = 0  # above this many generating sessions, decode target-only (0 = no limit)
     draft_min_confidence: float = 0.0  # the draft stops early when its top probability falls below (llama.cpp p-min)
     fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
     draft_timeout_floor_ms: float = 100.0
@@ -140,6 +143,7 @@ class Generation:
     cancel: threading.Event = field(default_factory=threading.Event)
     window: AcceptanceWindow | None = None
     target_step: TargetStepTimer = field(default_factory=TargetStepTimer)
+    active_sessions: Callable[[], int] | None = None  # generations running in this orchestrator (load switch)
 
     def __post_init__(self):
         p = self.rec.params
@@ -159,11 +163,19 @@ class Generation:
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
+        self.full_block_rate = 1.0    # EMA of "the whole block was accepted": how often a prefetch is usable
+        self.propose_ms = 0.0         # EMA of a Propose round trip: what a usable prefetch saves
 
     # -- the draft side ----------------------------------------------------------------------------
 
     def _wants_draft(self) -> bool:
         return self.pool is not None and bool(self.rec.params["speculation"])
+
+    def _overloaded(self) -> bool:
+        """Under high load a batched target is compute-bound: a verify of k+1 tokens per session costs more than
+        the accepted tokens save, so decode target-only (vLLM's speculative_disable_by_batch_size)."""
+        limit = self.cfg.speculation_max_sessions
+        return limit > 0 and self.active_sessions is not None and self.active_sessions() > limit
 
     def _draft_timeout_s(self) -> float:
         """A draft slower than the target's own step is no help: the deadline follows the measured target step.
@@ -192,6 +204,7 @@ class Generation:
     def _propose(self, replica, k: int):
         """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed."""
         rec = self.rec
+        t0 = time.perf_counter()
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
@@ -208,6 +221,8 @@ class Generation:
             return None, True
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
+        ms = (time.perf_counter() - t0) * 1e3
+        self.propose_ms = ms if self.propose_ms == 0 else 0.8 * self.propose_ms + 0.2 * ms
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -274,6 +289,7 @@ class Generation:
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
         rec.target_pos = d.cached_len
         stats["decode_steps"] += 1
+        stats["decode_ms"] += d.decode_ms
         if degraded:
             stats["fallback_steps"] += 1
             stats["fallback_tokens"] += len(d.tokens)
@@ -290,6 +306,9 @@ class Generation:
         """One step: (newly committed tokens before stop handling, whether it ran degraded)."""
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 or not self._wants_draft():
+            return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
+        if self._overloaded():
+            self.rec.stats["load_shed_steps"] += 1
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         if self.cfg.tree_budget > 0:
             from orchestrator.tree_step import tree_step
@@ -320,9 +339,14 @@ class Generation:
         reply.tokens, reply.probs = reply.tokens[:k], reply.probs[:k]
         return reply, False
 
+    def _prefetch_pays(self) -> bool:
+        """auto: a prefetch saves one Propose round trip when the block is fully accepted, and costs about one
+        extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss."""
+        return self.last_block_full and self.full_block_rate * self.propose_ms > self.cfg.pipeline_min_gain_ms
+
     def _start_prefetch(self, replica, reply, k: int):
         """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more)."""
-        if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self.last_block_full):
+        if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self._prefetch_pays()):
             return None
         rec = self.rec
         ctx = len(rec.committed)
@@ -337,6 +361,7 @@ class Generation:
     def _finish_prefetch(self, future, replica, reply, new: list[int]) -> None:
         full = len(new) == len(reply.tokens) + 1
         self.last_block_full = full
+        self.full_block_rate = 0.8 * self.full_block_rate + 0.2 * full
         if future is None:
             return
         try:

@@ -143,8 +143,9 @@ class CachedLM:
         del sess.tokens[length:]
 
     @torch.inference_mode()
-    def extend(self, sess: SessionKV, new_tokens: list[int]) -> torch.Tensor:
-        """Append new_tokens to the session's cache; return float32 logits [len(new_tokens), V]."""
+    def extend(self, sess: SessionKV, new_tokens: list[int], keep: int = 0) -> torch.Tensor:
+        """Append new_tokens to the session's cache; return float32 logits [len(new_tokens), V], or of the last
+        `keep` positions only (the LM head over a long prompt costs as much as several layers: skip what no one reads)."""
         total = len(sess.tokens) + len(new_tokens)
         if total > self.loaded.max_context:
             raise ContextTooLong(
@@ -153,7 +154,7 @@ class CachedLM:
         if sess.cache is None:
             sess.cache = DynamicCache()
         ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
-        out = self.model(input_ids=ids, cache=sess.cache, use_cache=True)
+        out = self.model(input_ids=ids, cache=sess.cache, use_cache=True, logits_to_keep=_keep(keep, len(new_tokens)))
         sess.cache = out.cache
         sess.tokens.extend(new_tokens)
         return out.logits[0, :, : self.loaded.vocab_size].float()
@@ -162,27 +163,35 @@ class CachedLM:
         return self.store.release(session_id)
 
 
+def _keep(keep: int, n: int) -> int:
+    """transformers' logits_to_keep: 0 means every position."""
+    return 0 if keep <= 0 or keep >= n else keep
+
+
 def _layer_kv(cache: DynamicCache | None):
     return [] if cache is None else [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @torch.inference_mode()
-def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]]) -> list[torch.Tensor]:
-    """Like CachedLM.extend for several sessions in ONE forward pass; returns each one's logits.
+def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: list[int] | None = None
+                 ) -> list[torch.Tensor]:
+    """Like CachedLM.extend for several sessions in ONE forward pass; returns each one's logits (of its last
+    keep[i] positions when `keep` is given).
 
     Every row feeds M = max(len(new)) tokens: a row with fewer new tokens re-feeds its last cached tokens
     (their KV is recomputed), so all inputs line up; caches are left-padded with masked zeros to a common
     length and each row gets its true position ids. Rows that cannot be aligned that way (shorter in total
     than M) run on their own.
     """
+    keeps = {id(s): (k if 0 < k < len(new) else len(new)) for (s, new), k in zip(items, keep or [0] * len(items))}
     m = max(len(new) for _, new in items)
     batch, single = [], []
     for sess, new in items:
         (batch if len(sess.tokens) + len(new) >= m else single).append((sess, new))
-    out: dict[int, torch.Tensor] = {id(s): lm.extend(s, new) for s, new in single}
+    out: dict[int, torch.Tensor] = {id(s): lm.extend(s, new, keeps[id(s)]) for s, new in single}
     if len(batch) == 1:
         s, new = batch[0]
-        out[id(s)] = lm.extend(s, new)
+        out[id(s)] = lm.extend(s, new, keeps[id(s)])
     elif batch:
         total = max(len(s.tokens) + len(new) for s, new in batch)
         if total > lm.loaded.max_context:
@@ -213,12 +222,14 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]]) -> list
                     values[i, :, c - cl:] = kv[layer][1][0, :, :cl]
             layers.append((keys, values))
         cache = DynamicCache(ddp_cache_data=layers) if c else DynamicCache()
-        res = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        rows = max(keeps[id(s)] for s, _ in batch)  # every row's new tokens end at position m
+        res = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=_keep(rows, m))
         logits = res.logits[:, :, : lm.loaded.vocab_size].float()
         for i, (s, new) in enumerate(batch):
             cl = cache_lens[i]
             s.cache = DynamicCache(ddp_cache_data=[
                 (k[i : i + 1, :, c - cl:].clone(), v[i : i + 1, :, c - cl:].clone()) for k, v in _layer_kv(res.cache)])
             s.tokens.extend(new)
-            out[id(s)] = logits[i, m - len(new):]
+            out[id(s)] = logits[i, logits.shape[1] - keeps[id(s)]:]
     return [out[id(s)] for s, _ in items]

@@ -36,6 +36,7 @@ class VerifyJob:
     seed: int
     step: int
     tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
+    generator: torch.Generator | None = None  # set by a batched Decode: one stream for all its tokens
     result: VerifyOutcome | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -47,8 +48,9 @@ class VerifyJob:
 
 
 class VerifyBatcher:
-    """Collects Verify calls from concurrent sessions for up to `window_ms` and runs them as one forward pass,
-    so aggregate throughput grows with concurrency. A lone call waits at most the window."""
+    """Collects Verify calls (and the single-token steps of Decode calls) from concurrent sessions for up to
+    `window_ms` and runs them as one forward pass, so aggregate throughput grows with concurrency. A lone call
+    waits at most the window."""
 
     def __init__(self, engine: "TargetEngine", window_ms: float, max_batch: int = 16, max_queue: int = 256):
         self.engine = engine
@@ -105,7 +107,7 @@ class TargetEngine:
         with sess.lock:
             if delta or prefix_len < len(sess.tokens):
                 new = self.lm.sync(sess, prefix_len, delta)
-                self.lm.extend(sess, new)
+                self.lm.extend(sess, new, keep=1)
             self.store.update_size(sess)
             return len(sess.tokens)
 
@@ -152,13 +154,15 @@ class TargetEngine:
                 job.error = e
         try:
             if ready:
-                all_logits = extend_batch(self.lm, [(sess, new + job.draft_tokens) for sess, job, new, _ in ready])
+                all_logits = extend_batch(self.lm, [(sess, new + job.draft_tokens) for sess, job, new, _ in ready],
+                                          keep=[len(job.draft_tokens) + 1 for _, job, _, _ in ready])
                 for (sess, job, new, context_len), logits in zip(ready, all_logits):
                     try:
                         # Row i predicts draft token i; the last row predicts the bonus token.
-                        rows = logits[len(new) - 1 :]
-                        gen = None if job.params.is_greedy else sampling.make_generator(job.seed, job.step, "verify")
-                        result = sampling.verify(rows, job.draft_tokens, job.draft_probs, job.params, gen)
+                        gen = job.generator
+                        if gen is None and not job.params.is_greedy:
+                            gen = sampling.make_generator(job.seed, job.step, "verify")
+                        result = sampling.verify(logits, job.draft_tokens, job.draft_probs, job.params, gen)
                         # Keep KV of the context and the accepted drafts; the next token has no KV yet.
                         self.lm.crop(sess, context_len + result.num_accepted)
                         self.store.update_size(sess)
@@ -188,13 +192,16 @@ class TargetEngine:
         stop_token_ids: set[int] = frozenset(),
     ) -> tuple[list[int], int, float]:
         t0 = time.perf_counter()
+        gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
+        if self.batcher is not None:
+            return self._decode_batched(session_id, prefix_len, delta, max_tokens, params, seed, step,
+                                        stop_token_ids, gen, t0)
         sess = self.store.get(session_id)
         with sess.lock:
             new = self.lm.sync(sess, prefix_len, delta)
-            gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
             out: list[int] = []
             for _ in range(max_tokens):
-                last = self.lm.extend(sess, new)[-1]
+                last = self.lm.extend(sess, new, keep=1)[-1]
                 if params.is_greedy:
                     token = int(torch.argmax(last))
                 else:
@@ -205,6 +212,21 @@ class TargetEngine:
                     break
             self.store.update_size(sess)
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
+
+    def _decode_batched(self, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
+        """Target-only decoding as single-token steps through the batcher: a Decode is a Verify of an empty draft
+        (the next token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other
+        sessions' Verify blocks. Same tokens, and the same random stream, as the unbatched loop."""
+        out: list[int] = []
+        cached = prefix_len
+        for _ in range(max_tokens):
+            job = VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen)
+            res = self.batcher.submit(job)
+            out.append(res.next_token)
+            cached, delta = res.cached_len, [res.next_token]
+            if res.next_token in stop_token_ids:
+                break
+        return out, cached, (time.perf_counter() - t0) * 1e3
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

@@ -55,3 +55,121 @@ def test_concurrent_sessions_batched_are_token_identical(redis_url):
         assert batcher.batched_jobs / batcher.batches > 1.5, "concurrent verifies should share forward passes"
     finally:
         stack.stop()
+
+
+def test_batched_forward_keeps_only_the_rows_asked_for():
+    loaded = model(TARGET)
+    lm = CachedLM(loaded, SessionCacheStore())
+    contexts, news, keeps = [[1, 5, 9, 12], [2, 3, 4, 5, 6, 7]], [[10, 11, 12], [13]], [2, 1]
+    sessions = []
+    for i, ctx in enumerate(contexts):
+        s = lm.store.get(f"k{i}")
+        lm.extend(s, ctx, keep=1)
+        sessions.append(s)
+    out = extend_batch(lm, list(zip(sessions, news)), keep=keeps)
+    for i, (ctx, new, k) in enumerate(zip(contexts, news, keeps)):
+        with torch.no_grad():
+            want = loaded.model(input_ids=torch.tensor([ctx + new])).logits[0, -k:].float()
+        assert out[i].shape[0] == k
+        torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-4)
+        assert sessions[i].cache.get_seq_length() == len(ctx + new)  # every new token got its KV
+
+
+def _decode(engine, sid, ctx, n, temperature):
+    from specdec.sampling import SamplingParams
+
+    return engine.decode(sid, 0, ctx, n, SamplingParams(temperature=temperature), 7, 3)
+
+
+def test_batched_decode_is_the_unbatched_decode():
+    """A Decode through the batcher (single-token steps) returns the same tokens, cache length and random
+    stream as the plain loop, greedy and sampled."""
+    from target_service.engine import TargetEngine
+
+    loaded = model(TARGET)
+    plain = TargetEngine(loaded, SessionCacheStore())
+    batched = TargetEngine(loaded, SessionCacheStore(), batch_window_ms=2)
+    ctx = [3, 9, 27, 17, 51, 25]
+    for temperature in (0.0, 1.0):
+        want = _decode(plain, f"p{temperature}", ctx, 12, temperature)
+        got = _decode(batched, f"b{temperature}", ctx, 12, temperature)
+        assert got[:2] == want[:2]
+        # continuing from the returned cache position works the same way in both
+        tokens, cached = want[0], want[1]
+        from specdec.sampling import SamplingParams
+
+        more_plain = plain.decode(f"p{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
+        more_batched = batched.decode(f"b{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
+        assert more_plain[:2] == more_batched[:2]
+
+
+def test_concurrent_decodes_share_forward_passes():
+    from target_service.engine import TargetEngine
+
+    loaded = model(TARGET)
+    plain = TargetEngine(loaded, SessionCacheStore())
+    batched = TargetEngine(loaded, SessionCacheStore(), batch_window_ms=20)
+    contexts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(6)]
+    refs = [_decode(plain, f"r{i}", c, 16, 0.0)[0] for i, c in enumerate(contexts)]
+    results = [None] * len(contexts)
+
+    def run(i):
+        results[i] = _decode(batched, f"c{i}", contexts[i], 16, 0.0)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(contexts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == refs
+    assert batched.batcher.batched_jobs / batched.batcher.batches > 1.5
+
+
+def test_speculation_turns_off_above_the_session_limit(redis_url):
+    """--speculation-max-sessions: with more sessions generating than the limit, steps decode target-only
+    (counted as load_shed_steps); a lone session still speculates; outputs equal target-only either way."""
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=5000, speculation_max_sessions=1)
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg, batch_window_ms=5)
+    try:
+        prompts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(4)]
+        refs = [stack.client.generate(p, max_new_tokens=40, speculation=False, ignore_eos=True).token_ids
+                for p in prompts]
+        alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
+        assert alone.token_ids == refs[0]
+        assert alone.stats["load_shed_steps"] == 0 and alone.stats["verify_steps"] > 0
+        results = [None] * len(prompts)
+
+        def run(i):
+            results[i] = stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [r.token_ids for r in results] == refs
+        assert sum(r.stats["load_shed_steps"] for r in results) > 0
+        assert all(r.stats["decode_ms"] > 0 for r in results if r.stats["decode_steps"])
+    finally:
+        stack.stop()
+
+
+def test_auto_pipelining_prefetches_only_when_it_pays():
+    """auto: prefetch when full-block rate x Propose round trip beats the minimum gain. A free drafter (n-gram,
+    ~1 ms round trips) never pays; a slow draft that is usually fully accepted does; a rejection stops it."""
+    import types
+
+    from orchestrator.generation import Generation, LoopConfig
+
+    gen = types.SimpleNamespace(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), last_block_full=True,
+                                full_block_rate=1.0, propose_ms=0.4)
+    pays = Generation._prefetch_pays
+    assert not pays(gen)                       # cheap drafter: nothing to hide
+    gen.propose_ms, gen.full_block_rate = 20.0, 0.7
+    assert pays(gen)                           # 14 ms expected saving
+    gen.full_block_rate = 0.03
+    assert not pays(gen)                       # blocks are rarely fully accepted: prefetches are wasted
+    gen.full_block_rate, gen.last_block_full = 0.7, False
+    assert not pays(gen)                       # right after a rejection

@@ -83,7 +83,8 @@ def test_eos_stops_generation_identically(redis_url):
 def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
     from orchestrator.generation import LoopConfig
 
-    cfg = LoopConfig(pipeline=mode, draft_timeout_floor_ms=5000)
+    # min gain 0: auto prefetches after every fully accepted block, so both modes exercise the prefetch path here.
+    cfg = LoopConfig(pipeline=mode, pipeline_min_gain_ms=0.0, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg)
     try:
         hits = 0

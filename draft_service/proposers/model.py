@@ -29,7 +29,7 @@ class ModelProposer(Proposer):
             tokens: list[int] = []
             rows: list[torch.Tensor] = []
             for _ in range(max_len):
-                logits = self.lm.extend(sess, new)[-1]
+                logits = self.lm.extend(sess, new, keep=1)[-1]
                 if params.is_greedy:
                     token = int(torch.argmax(logits))
                     confidence = float(torch.softmax(logits, -1)[token])

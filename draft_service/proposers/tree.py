@@ -31,7 +31,7 @@ def propose_tree(proposer, session_id: str, prefix_len: int, delta: list[int], s
     sess = proposer.store.get(session_id)
     with sess.lock:
         new = lm.sync(sess, prefix_len, delta)
-        root = lm.extend(sess, new)[-1]
+        root = lm.extend(sess, new, keep=1)[-1]
         ctx = len(sess.tokens)
         if ctx + 1 >= lm.loaded.max_context:  # no room for even one drafted position
             return TreeProposal([], [], None, ctx)

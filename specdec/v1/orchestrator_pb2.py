@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x13\n\x11GetOutlineRequest\"3\n\x07Outline\x12(\n\x07outline\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xff\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\t \x03(\rB\x02\x10\x01\x12,\n\x0bspeculation\x18\n \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x15\n\rmax_draft_len\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1b\n\x13\x61pply_chat_template\x18\r \x01(\x08\x12\x19\n\x11resume_session_id\x18\x0e \x01(\t\x12\x13\n\x0bresume_from\x18\x0f \x01(\rB\x08\n\x06prompt\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\rB\x02\x10\x01\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"\x8b\x05\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x14\n\x0cverify_steps\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x12\x11\n\tverify_ms\x18\t \x01(\x01\x12\x16\n\x0e\x66\x61llback_steps\x18\n \x01(\r\x12\x17\n\x0f\x66\x61llback_tokens\x18\x0b \x01(\r\x12\x0f\n\x07wall_ms\x18\x0c \x01(\x01\x12\x19\n\x11tokens_per_second\x18\r \x01(\x01\x12\x16\n\x0e\x64raft_failures\x18\x0e \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0f \x01(\r\x12T\n\x16\x64raft_failures_by_kind\x18\x10 \x03(\x0b\x32\x34.specdec.v1.GenerationStats.DraftFailuresByKindEntry\x12\x13\n\x0b\x64\x65graded_ms\x18\x11 \x01(\x01\x12\x19\n\x11replica_failovers\x18\x12 \x01(\r\x12\x16\n\x0etarget_resyncs\x18\x13 \x01(\r\x12\x1b\n\x13pipeline_prefetches\x18\x14 \x01(\r\x12\x15\n\rpipeline_hits\x18\x15 \x01(\r\x1a:\n\x18\x44raftFailuresByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xd4\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1f\n\x13generated_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x0c\n\x04text\x18\x05 \x01(\t\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*O\n\x0bSpeculation\x12\x17\n\x13SPECULATION_DEFAULT\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb5\x02\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x44\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x17.specdec.v1.SessionInfo\x12T\n\rCancelSession\x12 .specdec.v1.CancelSessionRequest\x1a!.specdec.v1.CancelSessionResponse\x12@\n\nGetOutline\x12\x1d.specdec.v1.GetOutlineRequest\x1a\x13.specdec.v1.Outlineb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x13\n\x11GetOutlineRequest\"3\n\x07Outline\x12(\n\x07outline\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xff\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\t \x03(\rB\x02\x10\x01\x12,\n\x0bspeculation\x18\n \x01(\x0e\x32\x17.specdec.v1.Speculation\x12\x15\n\rmax_draft_len\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1b\n\x13\x61pply_chat_template\x18\r \x01(\x08\x12\x19\n\x11resume_session_id\x18\x0e \x01(\t\x12\x13\n\x0bresume_from\x18\x0f \x01(\rB\x08\n\x06prompt\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\rB\x02\x10\x01\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"\xb7\x05\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x14\n\x0cverify_steps\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x12\x11\n\tverify_ms\x18\t \x01(\x01\x12\x16\n\x0e\x66\x61llback_steps\x18\n \x01(\r\x12\x17\n\x0f\x66\x61llback_tokens\x18\x0b \x01(\r\x12\x0f\n\x07wall_ms\x18\x0c \x01(\x01\x12\x19\n\x11tokens_per_second\x18\r \x01(\x01\x12\x16\n\x0e\x64raft_failures\x18\x0e \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0f \x01(\r\x12T\n\x16\x64raft_failures_by_kind\x18\x10 \x03(\x0b\x32\x34.specdec.v1.GenerationStats.DraftFailuresByKindEntry\x12\x13\n\x0b\x64\x65graded_ms\x18\x11 \x01(\x01\x12\x19\n\x11replica_failovers\x18\x12 \x01(\r\x12\x16\n\x0etarget_resyncs\x18\x13 \x01(\r\x12\x1b\n\x13pipeline_prefetches\x18\x14 \x01(\r\x12\x15\n\rpipeline_hits\x18\x15 \x01(\r\x12\x11\n\tdecode_ms\x18\x16 \x01(\x01\x12\x17\n\x0fload_shed_steps\x18\x17 \x01(\r\x1a:\n\x18\x44raftFailuresByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xd4\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1f\n\x13generated_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x0c\n\x04text\x18\x05 \x01(\t\x12*\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.specdec.v1.FinishReason\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*O\n\x0bSpeculation\x12\x17\n\x13SPECULATION_DEFAULT\x10\x00\x12\x12\n\x0eSPECULATION_ON\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb5\x02\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x44\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x17.specdec.v1.SessionInfo\x12T\n\rCancelSession\x12 .specdec.v1.CancelSessionRequest\x1a!.specdec.v1.CancelSessionResponse\x12@\n\nGetOutline\x12\x1d.specdec.v1.GetOutlineRequest\x1a\x13.specdec.v1.Outlineb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,10 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONSTATS_DRAFTFAILURESBYKINDENTRY']._serialized_options = b'8\001'
   _globals['_SESSIONINFO'].fields_by_name['generated_token_ids']._loaded_options = None
   _globals['_SESSIONINFO'].fields_by_name['generated_token_ids']._serialized_options = b'\020\001'
-  _globals['_SPECULATION']._serialized_start=1749
-  _globals['_SPECULATION']._serialized_end=1828
-  _globals['_FINISHREASON']._serialized_start=1831
-  _globals['_FINISHREASON']._serialized_end=1978
+  _globals['_SPECULATION']._serialized_start=1793
+  _globals['_SPECULATION']._serialized_end=1872
+  _globals['_FINISHREASON']._serialized_start=1875
+  _globals['_FINISHREASON']._serialized_end=2022
   _globals['_GETOUTLINEREQUEST']._serialized_start=75
   _globals['_GETOUTLINEREQUEST']._serialized_end=94
   _globals['_OUTLINE']._serialized_start=96
@@ -57,17 +57,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=565
   _globals['_GENERATERESPONSE']._serialized_end=749
   _globals['_GENERATIONSTATS']._serialized_start=752
-  _globals['_GENERATIONSTATS']._serialized_end=1403
-  _globals['_GENERATIONSTATS_DRAFTFAILURESBYKINDENTRY']._serialized_start=1345
-  _globals['_GENERATIONSTATS_DRAFTFAILURESBYKINDENTRY']._serialized_end=1403
-  _globals['_GETSESSIONREQUEST']._serialized_start=1405
-  _globals['_GETSESSIONREQUEST']._serialized_end=1444
-  _globals['_SESSIONINFO']._serialized_start=1447
-  _globals['_SESSIONINFO']._serialized_end=1659
-  _globals['_CANCELSESSIONREQUEST']._serialized_start=1661
-  _globals['_CANCELSESSIONREQUEST']._serialized_end=1703
-  _globals['_CANCELSESSIONRESPONSE']._serialized_start=1705
-  _globals['_CANCELSESSIONRESPONSE']._serialized_end=1747
-  _globals['_ORCHESTRATOR']._serialized_start=1981
-  _globals['_ORCHESTRATOR']._serialized_end=2290
+  _globals['_GENERATIONSTATS']._serialized_end=1447
+  _globals['_GENERATIONSTATS_DRAFTFAILURESBYKINDENTRY']._serialized_start=1389
+  _globals['_GENERATIONSTATS_DRAFTFAILURESBYKINDENTRY']._serialized_end=1447
+  _globals['_GETSESSIONREQUEST']._serialized_start=1449
+  _globals['_GETSESSIONREQUEST']._serialized_end=1488
+  _globals['_SESSIONINFO']._serialized_start=1491
+  _globals['_SESSIONINFO']._serialized_end=1703
+  _globals['_CANCELSESSIONREQUEST']._serialized_start=1705
+  _globals['_CANCELSESSIONREQUEST']._serialized_end=1747
+  _globals['_CANCELSESSIONRESPONSE']._serialized_start=1749
+  _globals['_CANCELSESSIONRESPONSE']._serialized_end=1791
+  _globals['_ORCHESTRATOR']._serialized_start=2025
+  _globals['_ORCHESTRATOR']._serialized_end=2334
 # @@protoc_insertion_point(module_scope)
