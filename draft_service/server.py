@@ -97,7 +97,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
-                   max_sessions: int = 64, max_cache_mb: int = 2048) -> tuple[Proposer, common_pb2.ModelInfo]:
+                   max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto"
+                   ) -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 
@@ -115,7 +116,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         return proposer, info
     from draft_service.proposers.model import ModelProposer
 
-    loaded = load_model(model, device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype, prepack=prepack)
     store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)
     info = common_pb2.ModelInfo(
         model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
@@ -144,6 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
+                   help="oneDNN-prepacked linear weights on CPU (auto: when torch has oneDNN)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-cache-mb", type=int, default=2048)
@@ -160,7 +163,7 @@ def serve(args: argparse.Namespace) -> None:
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
-                                    args.max_sessions, args.max_cache_mb)
+                                    args.max_sessions, args.max_cache_mb, args.prepack)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

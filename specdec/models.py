@@ -48,6 +48,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec import cpu_kernels
+
 logger = logging.getLogger("specdec.models")
 
 DEFAULT_TARGET = "smollm2"
@@ -601,7 +603,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _from_pretrained("tokenizer", spec, auto, _hf_target(spec))
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto") -> LoadedModel:
+    """prepack: auto | on | off: oneDNN-prepacked linear weights on CPU (specdec/cpu_kernels.py)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty model spec {spec!r}")
     spec = spec.strip()
@@ -652,6 +655,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     else:
         vocab_size = int(model.config.vocab_size)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length)
+    packed = cpu_kernels.prepack_linears(model) if cpu_kernels.should_prepack(prepack, dev) else 0
 
     loaded = LoadedModel(
         model=model,
@@ -665,7 +669,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         fingerprint=tokenizer_fingerprint(tok),
     )
     logger.info(
-        "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s)",
+        "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears)",
         spec,
         source,
         dev,
@@ -674,5 +678,6 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         vocab_size,
         max_context,
         eos,
+        packed,
     )
     return loaded

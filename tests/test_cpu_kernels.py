@@ -1,0 +1,64 @@
+"""oneDNN-prepacked linears (specdec/cpu_kernels.py): the same model outputs, faster small-M forwards."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec import cpu_kernels
+from specdec.models import load_model
+
+SPEC = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
+
+
+def test_this_torch_has_onednn():
+    assert cpu_kernels.available()  # the pinned CPU wheel does; without it every model runs unpacked
+
+
+def _blocks(model, ids, cont, block):
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids, cache=cache, use_cache=True)
+        outs = [model(input_ids=cont[:, i:i + block], cache=cache, use_cache=True).logits.float()
+                for i in range(0, cont.shape[1], block)]
+    return torch.cat(outs, 1)[0]
+
+
+def test_prepacked_model_matches_the_plain_model_at_every_block_size():
+    plain = load_model(SPEC, prepack="off")
+    packed = load_model(SPEC, prepack="on")
+    assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in plain.model.modules())
+    n = sum(isinstance(m, cpu_kernels.PackedLinear) for m in packed.model.modules())
+    assert n == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (1, 12), generator=g)
+    cont = torch.randint(0, 64, (1, 16), generator=g)
+    ref = _blocks(plain.model, ids, cont, 1)
+    for block in (1, 2, 4, 5, 8):
+        got = _blocks(packed.model, ids, cont, block)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # the original weights stay where other code (tied embeddings, save_pretrained) expects them
+    assert torch.equal(packed.model.lm_head.weight, plain.model.lm_head.weight)
+    assert set(packed.model.state_dict()) == set(plain.model.state_dict())
+
+
+def test_batched_padded_forward_is_supported():
+    packed = load_model(SPEC, prepack="on").model
+    plain = load_model(SPEC, prepack="off").model
+    ids = torch.tensor([[0, 5, 9, 12], [3, 4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with torch.inference_mode():
+        a = packed(input_ids=ids, attention_mask=mask).logits
+        b = plain(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[0, 1:], b[0, 1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-4)
+
+
+def test_prepack_modes():
+    assert cpu_kernels.should_prepack("off", torch.device("cpu")) is False
+    assert cpu_kernels.should_prepack("auto", torch.device("cpu")) is True
+    assert cpu_kernels.should_prepack("auto", torch.device("meta")) is False
+    with pytest.raises(ValueError, match="cannot prepack"):
+        cpu_kernels.should_prepack("on", torch.device("meta"))
+    with pytest.raises(ValueError, match="auto, on or off"):
+        cpu_kernels.should_prepack("yes", torch.device("cpu"))
