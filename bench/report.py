@@ -86,6 +86,11 @@ def markdown(res: dict) -> str:
             f"{_f(c.get('mean_accepted_length'))} | {_g(c.get('cost_ratio_c'))} | {_f(c.get('predicted_speedup'))} | "
             f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('predicted_speedup_measured_verify_cost'))} | "
             f"{_f(c.get('measured_over_predicted_measured_verify_cost'))} | {_f(c.get('output_matches_target_only'))} |")
+    pipes = [c for c in res["configs"] if c.get("pipeline")]
+    if pipes:
+        lines += [""] + [f"- {c['label']}: {c['pipeline']['prefetches']:.0f} blocks prefetched, "
+                         f"{c['pipeline']['hits']:.0f} used, over {c['pipeline']['verify_steps']:.0f} verify steps"
+                         for c in pipes]
     hf = [c for c in res["configs"] if c.get("settings")]
     if hf:
         lines += [""] + [f"- {c['label']}: " + ", ".join(f"{k}={v}" for k, v in c["settings"].items() if k != "note")

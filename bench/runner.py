@@ -164,7 +164,7 @@ def orchestrator_specs(args, flags: dict) -> dict:
     modes = flags["pipeline_modes"]
     if "on" in modes:
         specs["orch-pipe-on"] = ("target", modes["on"])
-    if "auto" in modes and not args.quick:
+    if "auto" in modes:
         specs["orch-pipe-auto"] = ("target", modes["auto"])
     # Tree speculation at the largest draft length's node budget (equal budget to that chain).
     g = max(args.draft_lens)
@@ -454,19 +454,23 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
     t_step = micro["target_step_ms"]
     client_ms = wall * 1e3
     if steps:
-        exact = not st["decode_steps"] and not cfg.pipelined
+        # Older services carry no decode_ms: then the overhead is exact only where every step was a verify.
+        exact = not cfg.pipelined and (not st["decode_steps"] or st["decode_ms"] > 0)
         out["per_step_ms"] = {
             "client_wall": client_ms / steps,
             "target_verify": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
+            "target_decode": st["decode_ms"] / st["decode_steps"] if st["decode_steps"] else None,
             "draft_propose": st["draft_ms"] / st["verify_steps"] if st["verify_steps"] else None,
-            "rpc_and_orchestrator_overhead": ((st["wall_ms"] - st["draft_ms"] - st["verify_ms"]) / steps
-                                              if exact else None),
+            "rpc_and_orchestrator_overhead": ((st["wall_ms"] - st["draft_ms"] - st["verify_ms"] - st["decode_ms"])
+                                              / steps if exact else None),
             "store_and_stream_overhead": (client_ms - st["wall_ms"]) / steps,
-            "note": "rpc_and_orchestrator_overhead = orchestrator step time - draft_ms - verify_ms, only where "
-                    "every step was a verify (the stats carry no Decode time) and not pipelined (draft and verify "
-                    "overlap); store_and_stream = client wall - orchestrator step time (Redis commit, streaming, "
-                    "session setup)",
+            "note": "rpc_and_orchestrator_overhead = (orchestrator step time - draft_ms - verify_ms - decode_ms) "
+                    "per step, where not pipelined (draft and verify overlap); store_and_stream = client wall - "
+                    "orchestrator step time (Redis commit, streaming, session setup)",
         }
+        if cfg.pipelined:
+            out["pipeline"] = {"prefetches": st["pipeline_prefetches"], "hits": st["pipeline_hits"],
+                               "verify_steps": st["verify_steps"]}
     if not cfg.speculative:
         return out
     v = st["verify_steps"]
