@@ -603,8 +603,9 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _from_pretrained("tokenizer", spec, auto, _hf_target(spec))
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto") -> LoadedModel:
-    """prepack: auto | on | off: oneDNN-prepacked linear weights on CPU (specdec/cpu_kernels.py)."""
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto",
+               prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS) -> LoadedModel:
+    """prepack: auto | on | off: oneDNN-prepacked weights for the larger linears on CPU (specdec/cpu_kernels.py)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty model spec {spec!r}")
     spec = spec.strip()
@@ -655,7 +656,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
     else:
         vocab_size = int(model.config.vocab_size)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length)
-    packed = cpu_kernels.prepack_linears(model) if cpu_kernels.should_prepack(prepack, dev) else 0
+    packed = cpu_kernels.prepack_linears(model, prepack_min_elements) if cpu_kernels.should_prepack(prepack, dev) else 0
 
     loaded = LoadedModel(
         model=model,

@@ -25,7 +25,7 @@ def _blocks(model, ids, cont, block):
 
 def test_prepacked_model_matches_the_plain_model_at_every_block_size():
     plain = load_model(SPEC, prepack="off")
-    packed = load_model(SPEC, prepack="on")
+    packed = load_model(SPEC, prepack="on", prepack_min_elements=0)  # tiny layers: force packing to test it
     assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in plain.model.modules())
     n = sum(isinstance(m, cpu_kernels.PackedLinear) for m in packed.model.modules())
     assert n == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
@@ -43,7 +43,7 @@ def test_prepacked_model_matches_the_plain_model_at_every_block_size():
 
 
 def test_batched_padded_forward_is_supported():
-    packed = load_model(SPEC, prepack="on").model
+    packed = load_model(SPEC, prepack="on", prepack_min_elements=0).model
     plain = load_model(SPEC, prepack="off").model
     ids = torch.tensor([[0, 5, 9, 12], [3, 4, 5, 6]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
@@ -52,6 +52,14 @@ def test_batched_padded_forward_is_supported():
         b = plain(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(a[0, 1:], b[0, 1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-4)
+
+
+def test_only_large_layers_are_packed_by_default():
+    tiny = load_model(SPEC, prepack="on").model  # 64-wide: a oneDNN call would cost more than it saves
+    assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in tiny.modules())
+    wide = load_model("tiny:vocab=4096,layers=1,hidden=128,inter=256,seed=0", prepack="on").model
+    packed = [n for n, m in wide.named_modules() if isinstance(m, cpu_kernels.PackedLinear)]
+    assert packed == ["lm_head"]  # 4096 x 128 > 2^18 entries; the 128-wide projections are not
 
 
 def test_prepack_modes():
