@@ -172,6 +172,17 @@ def orchestrator_specs(args, flags: dict) -> dict:
     return specs
 
 
+def _no_draft_reason(args) -> str:
+    if args.draft_strategy == "ngram":
+        return "--draft-strategy ngram"
+    from specdec.models import cache_dir
+
+    if args.draft_model == "smollm2-draft" and (cache_dir() / "models" / "smollm2-draft" / "config.json").exists():
+        return (f"{args.draft_model!r} is cached but its distill report predicts no speedup, so "
+                "--draft-strategy auto keeps n-gram (force it with --draft-strategy model)")
+    return f"{args.draft_model!r} is not in the cache (run `specdec distill`)"
+
+
 def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     from bench.hf import hf_settings
 
@@ -197,7 +208,7 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     else:
         cfgs.append(Config("hf-assisted", "hf-assisted", "HF generate(assistant_model=draft) (in-process)", None,
                            available=False, reason="no draft model: the services use the n-gram drafter "
-                           f"({args.draft_model!r} is not in the cache), so HF prompt lookup is the matching anchor"))
+                           f"({_no_draft_reason(args)}), so HF prompt lookup is the matching anchor"))
     cfgs.append(Config("hf-prompt-lookup", "hf-prompt-lookup",
                        f"HF generate(prompt_lookup_num_tokens={args.prompt_lookup_num_tokens}) (in-process)",
                        _hf_run(target, prompt_lookup=args.prompt_lookup_num_tokens),
@@ -850,8 +861,7 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "sessions_sweep": sweep_name,
         "max_sessions": smax["sessions"] if smax else None,
         "draft": {"strategy": strategy, "model": args.draft_model if strategy == "model" else None,
-                  "note": None if strategy == "model" else
-                  f"{args.draft_model!r} is not in the cache (run `specdec distill`), so the services draft with the "
+                  "note": None if strategy == "model" else f"{_no_draft_reason(args)}, so the services draft with the "
                   "n-gram prompt-lookup drafter and HF prompt lookup is the in-process anchor"},
         "flags_available": flags,
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,

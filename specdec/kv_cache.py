@@ -172,6 +172,9 @@ def _layer_kv(cache: DynamicCache | None):
     return [] if cache is None else [(layer.keys, layer.values) for layer in cache.layers]
 
 
+MAX_BATCHED_NEW_TOKENS = 16  # a verify block (<= 16 drafts + 1) or a decode step; longer inputs run alone
+
+
 @torch.inference_mode()
 def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: list[int] | None = None
                  ) -> list[torch.Tensor]:
@@ -181,13 +184,16 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
     Every row feeds M = max(len(new)) tokens: a row with fewer new tokens re-feeds its last cached tokens
     (their KV is recomputed), so all inputs line up; caches are left-padded with masked zeros to a common
     length and each row gets its true position ids. Rows that cannot be aligned that way (shorter in total
-    than M) run on their own.
+    than M) and inputs longer than MAX_BATCHED_NEW_TOKENS (prefills) run on their own.
     """
     keeps = {id(s): (k if 0 < k < len(new) else len(new)) for (s, new), k in zip(items, keep or [0] * len(items))}
-    m = max(len(new) for _, new in items)
+    # A prompt prefill (or a cache rebuild) in the batch would make every other row re-feed that many tokens:
+    # long inputs run on their own.
+    short = [len(new) for _, new in items if len(new) <= MAX_BATCHED_NEW_TOKENS]
+    m = max(short) if short else 0
     batch, single = [], []
     for sess, new in items:
-        (batch if len(sess.tokens) + len(new) >= m else single).append((sess, new))
+        (batch if len(new) <= m <= len(sess.tokens) + len(new) else single).append((sess, new))
     out: dict[int, torch.Tensor] = {id(s): lm.extend(s, new, keeps[id(s)]) for s, new in single}
     if len(batch) == 1:
         s, new = batch[0]

@@ -175,3 +175,36 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     assert not pays(gen)                       # blocks are rarely fully accepted: prefetches are wasted
     gen.full_block_rate, gen.last_block_full = 0.7, False
     assert not pays(gen)                       # right after a rejection
+
+
+def test_a_prefill_in_the_batch_runs_alone():
+    """A long input (a new session's prompt) must not make every other row re-feed that many tokens."""
+    from specdec.kv_cache import MAX_BATCHED_NEW_TOKENS
+
+    loaded = model(TARGET)
+    lm = CachedLM(loaded, SessionCacheStore())
+    shapes = []
+    forward = loaded.model.forward
+
+    def recording(*a, **kw):
+        shapes.append(tuple(kw["input_ids"].shape))
+        return forward(*a, **kw)
+
+    sessions = []
+    for i in range(3):
+        s = lm.store.get(f"p{i}")
+        lm.extend(s, [1 + i, 2, 3, 4, 5])
+        sessions.append(s)
+    prompt = list(range(1, MAX_BATCHED_NEW_TOKENS + 10))
+    news = [[7], [8, 9, 10], [11], prompt]
+    sessions.append(lm.store.get("p-new"))
+    loaded.model.forward = recording
+    try:
+        out = extend_batch(lm, list(zip(sessions, news)), keep=[1, 3, 1, 1])
+    finally:
+        loaded.model.forward = forward
+    assert sorted(shapes) == [(1, len(prompt)), (3, 3)]  # the prompt alone; the rest as one batch of width 3
+    for s, new, got in zip(sessions, news, out):
+        with torch.no_grad():
+            want = loaded.model(input_ids=torch.tensor([s.tokens])).logits[0, -got.shape[0]:].float()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
