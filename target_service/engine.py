@@ -49,8 +49,8 @@ class VerifyJob:
 
 class VerifyBatcher:
     """Collects Verify calls (and the single-token steps of Decode calls) from concurrent sessions for up to
-    `window_ms` and runs them as one forward pass, so aggregate throughput grows with concurrency. A lone call
-    waits at most the window."""
+    `window_ms` and runs them as one forward pass, so aggregate throughput grows with concurrency. A call waits
+    at most the window, and not at all while no other session has submitted work in the last ACTIVE_S."""
 
     def __init__(self, engine: "TargetEngine", window_ms: float, max_batch: int = 16, max_queue: int = 256):
         self.engine = engine
@@ -59,6 +59,7 @@ class VerifyBatcher:
         self.queue: queue.Queue[VerifyJob] = queue.Queue(maxsize=max_queue)
         self.batches = 0
         self.batched_jobs = 0
+        self._last_seen: dict[str, float] = {}  # session -> last submit (batcher thread only; bounded by ACTIVE_S)
         threading.Thread(target=self._loop, name="verify-batcher", daemon=True).start()
 
     def submit(self, job: VerifyJob, timeout: float = 60.0) -> VerifyOutcome:
@@ -70,16 +71,28 @@ class VerifyBatcher:
             raise TimeoutError("verify batch did not complete")
         return job.outcome()
 
+    def _others_active(self, session_id: str, now: float) -> bool:
+        """Did another session submit work lately? If not, a lone session should not wait out the window."""
+        self._last_seen[session_id] = now
+        stale = [sid for sid, t in self._last_seen.items() if now - t > self.ACTIVE_S]
+        for sid in stale:
+            del self._last_seen[sid]
+        return len(self._last_seen) > 1
+
+    ACTIVE_S = 1.0  # a session that submitted within this long is expected to submit again soon
+
     def _loop(self) -> None:
         while True:
             jobs = [self.queue.get()]
-            deadline = time.monotonic() + self.window_s
+            now = time.monotonic()
+            deadline = now + (self.window_s if self._others_active(jobs[0].session_id, now) else 0.0)
             while len(jobs) < self.max_batch:
                 remaining = deadline - time.monotonic()
                 try:
                     jobs.append(self.queue.get(timeout=max(0.0, remaining)) if remaining > 0 else self.queue.get_nowait())
                 except queue.Empty:
                     break
+                self._last_seen[jobs[-1].session_id] = time.monotonic()
             try:
                 self.engine.verify_many(jobs)
             finally:

@@ -208,3 +208,16 @@ def test_a_prefill_in_the_batch_runs_alone():
         with torch.no_grad():
             want = loaded.model(input_ids=torch.tensor([s.tokens])).logits[0, -got.shape[0]:].float()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_lone_session_does_not_wait_for_the_batch_window():
+    """With no other session active, the batcher runs a job at once instead of waiting the window out
+    (a 1 s window here: four waited-out steps would take over 4 s)."""
+    import time
+
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
+    t0 = time.monotonic()
+    tokens = _decode(engine, "alone", [3, 9, 27], 4, 0.0)[0]
+    assert len(tokens) == 4 and time.monotonic() - t0 < 2.0
