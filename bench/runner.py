@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram"], default="auto",
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid"], default="auto",
                    help="auto: the distilled draft if it is in the cache, else n-gram prompt lookup")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
@@ -682,7 +682,8 @@ def run(args: argparse.Namespace) -> dict:
     strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                                                   draft_model=args.draft_model))
     target = load_model(args.target_model, device=args.device, dtype=args.dtype)
-    draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy == "model" else None
+    draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy in ("model", "hybrid")
+             else None)
     tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
     prompts: list[Prompt] = select(args.num_prompts)
     ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
@@ -860,8 +861,10 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "throughput_8_sessions_vs_1": analysis.ratio(smax["tokens_per_s"], s1["tokens_per_s"]) if smax and s1 else None,
         "sessions_sweep": sweep_name,
         "max_sessions": smax["sessions"] if smax else None,
-        "draft": {"strategy": strategy, "model": args.draft_model if strategy == "model" else None,
-                  "note": None if strategy == "model" else f"{_no_draft_reason(args)}, so the services draft with the "
+        "draft": {"strategy": strategy, "model": args.draft_model if strategy in ("model", "hybrid") else None,
+                  "note": ("prompt lookup, the draft model where the context has no match" if strategy == "hybrid"
+                           else None) if strategy in ("model", "hybrid") else
+                  f"{_no_draft_reason(args)}, so the services draft with the "
                   "n-gram prompt-lookup drafter and HF prompt lookup is the in-process anchor"},
         "flags_available": flags,
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,

@@ -116,7 +116,8 @@ class BenchServices:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
                                                *self._common(), "--batch-window-ms", str(self.batch_window_ms)])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
-            dargs += ["--model", self.draft_model] if self.strategy == "model" else ["--vocab-from", self.target_model]
+            dargs += (["--model", self.draft_model] if self.strategy in ("model", "hybrid")
+                      else ["--vocab-from", self.target_model])
             self._spawn("draft", dargs)
             for name in list(self.procs):
                 self.addresses[name] = self.procs[name].wait_ready(timeout)

@@ -97,8 +97,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
-                   max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto"
-                   ) -> tuple[Proposer, common_pb2.ModelInfo]:
+                   max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
+                   hybrid_model_max_len: int = 2) -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 
@@ -116,14 +116,23 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         return proposer, info
     from draft_service.proposers.model import ModelProposer
 
+    if strategy not in ("model", "hybrid"):
+        raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram or hybrid)")
     loaded = load_model(model, device=device, dtype=dtype, prepack=prepack)
     store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)
     info = common_pb2.ModelInfo(
         model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
         max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids, device=str(loaded.device),
-        dtype=str(loaded.dtype).replace("torch.", ""), strategy="model",
+        dtype=str(loaded.dtype).replace("torch.", ""), strategy=strategy,
     )
-    return ModelProposer(loaded, store), info
+    proposer = ModelProposer(loaded, store)
+    if strategy == "hybrid":
+        from draft_service.proposers.hybrid import HybridProposer
+        from draft_service.proposers.ngram import NgramProposer
+
+        info.model_name = f"ngram(prompt-lookup)+{loaded.name}"
+        return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size), proposer, hybrid_model_max_len), info
+    return proposer, info
 
 
 def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8,
@@ -139,8 +148,12 @@ def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, m
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", choices=["model", "ngram"], default="ngram")
-    p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy=model)")
+    p.add_argument("--strategy", choices=["model", "ngram", "hybrid"], default="ngram",
+                   help="model: a small LM; ngram: prompt lookup; hybrid: prompt lookup, the model where it finds "
+                        "no match")
+    p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy model or hybrid)")
+    p.add_argument("--hybrid-model-max-len", type=int, default=2,
+                   help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
     p.add_argument("--vocab-from", default=None, help="ngram: the target's model spec, for the tokenizer check")
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--device", default="auto")
@@ -163,7 +176,7 @@ def serve(args: argparse.Namespace) -> None:
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
-                                    args.max_sessions, args.max_cache_mb, args.prepack)
+                                    args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

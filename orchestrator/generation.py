@@ -350,9 +350,9 @@ class Generation:
             return None
         rec = self.rec
         ctx = len(rec.committed)
-        held = reply.cached_len  # the draft holds ctx + the drafts it fed itself
-        delta = reply.tokens[held - ctx:] if held >= ctx else None
-        if delta is None or k + 1 > self.cfg.max_draft_len:
+        held = reply.cached_len  # the draft holds ctx + the drafts it fed itself, or less (a lagging hybrid)
+        delta = reply.tokens[held - ctx:] if held >= ctx else rec.committed[held:] + reply.tokens
+        if k + 1 > self.cfg.max_draft_len:
             return None
         rec.stats["pipeline_prefetches"] += 1
         return replica.client.propose_async(rec.session_id, held, delta, k + 1, self.params, self.seed,

@@ -157,7 +157,7 @@ class LocalStack:
         try:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
-            if self.draft_strategy == "model":
+            if self.draft_strategy in ("model", "hybrid"):
                 from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
@@ -165,7 +165,8 @@ class LocalStack:
             for i in range(cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i)]
-                dargs += ["--model", cfg.draft_model] if self.draft_strategy == "model" else ["--vocab-from", cfg.target_model]
+                dargs += (["--model", cfg.draft_model] if self.draft_strategy in ("model", "hybrid")
+                          else ["--vocab-from", cfg.target_model])
                 self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
             target_addr = self.target.wait_ready(timeout)
             draft_addrs = [d.wait_ready(timeout) for d in self.drafts]

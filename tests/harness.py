@@ -66,7 +66,16 @@ class Stack:
                 s.stop(0)
 
 
+HYBRID = "hybrid:" + DRAFT_EARLY  # prompt lookup, the early-layer draft where it finds no match
+
+
 def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
+    if spec.startswith("hybrid:"):
+        from draft_service.proposers.hybrid import HybridProposer
+
+        model_proposer, info = make_proposer(spec.removeprefix("hybrid:"), sessions, vocab_size)
+        info.strategy = "hybrid"
+        return HybridProposer(NgramProposer(vocab_size=model_proposer.vocab_size), model_proposer), info
     if spec == "ngram":
         vocab = vocab_size or model(TARGET).vocab_size
         return NgramProposer(vocab_size=vocab), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")

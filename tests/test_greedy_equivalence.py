@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, TARGET, model, start_stack
+from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, HYBRID, TARGET, model, start_stack
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [7] * 3 + [30, 31, 32, 7, 7], list(range(1, 40, 3))]
 MAX_NEW = 40
@@ -16,8 +16,8 @@ def hf_greedy(prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER],
-                ids=["ngram", "early-layer", "same-model", "unrelated"])
+@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID],
+                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param)
     yield s
@@ -79,7 +79,8 @@ def test_eos_stops_generation_identically(redis_url):
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
-@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME], ids=["ngram", "early-layer", "same-model"])
+@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID],
+                         ids=["ngram", "early-layer", "same-model", "hybrid"])
 def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
     from orchestrator.generation import LoopConfig
 

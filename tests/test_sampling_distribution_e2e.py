@@ -108,3 +108,18 @@ def test_broken_verifier_fails_the_test(stack, expected, monkeypatch):
     samples, _ = draw(stack, N_SAMPLES // 2)
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken verifier passed the distribution test (p={p_value:.3f})"
+
+
+def test_hybrid_drafter_sampling_matches_target_distribution(redis_url, expected):
+    """Prompt-lookup steps (one-hot q) and model steps (the draft's q) mixed in one generation."""
+    s = start_stack(redis_url, target=TARGET, draft="hybrid:" + DRAFT)
+    try:
+        samples, acceptance = draw(s, N_SAMPLES, draft_len=2, extra_tokens=1)
+        proposer = s.draft_servers[0].servicer.proposer
+        used = proposer.ngram_proposals, proposer.model_proposals
+    finally:
+        s.stop()
+    assert min(used) > N_SAMPLES // 10, f"both kinds of drafts must be used for this to test anything: {used}"
+    assert 0.05 < acceptance < 0.95
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"

@@ -58,6 +58,10 @@ class NgramProposer(Proposer):
                         return follow
         return []
 
+    def session_tokens(self, session_id: str) -> list[int]:
+        with self._lock:
+            return list(self._sessions.get(session_id, ()))
+
     def release(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
