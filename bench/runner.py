@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also sweep sessions without --batch-window-ms (default: on; off in quick mode "
                         "when batching is available)")
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the draft model proposes only ids below N (draft --draft-vocab; 0 = all)")
     p.add_argument("--speculation-max-sessions", type=int, default=4,
                    help="the batched sessions sweep's orchestrator decodes target-only above this many generating "
                         "sessions (0 = always speculate)")
@@ -178,8 +180,8 @@ def _no_draft_reason(args) -> str:
     from specdec.models import cache_dir
 
     if args.draft_model == "smollm2-draft" and (cache_dir() / "models" / "smollm2-draft" / "config.json").exists():
-        return (f"{args.draft_model!r} is cached but its distill report predicts no speedup, so "
-                "--draft-strategy auto keeps n-gram (force it with --draft-strategy model)")
+        return (f"{args.draft_model!r} is cached but its distill report predicts no speedup (--draft-strategy "
+                "auto keeps n-gram; --draft-strategy model or hybrid uses it)")
     return f"{args.draft_model!r} is not in the cache (run `specdec distill`)"
 
 
@@ -684,6 +686,10 @@ def run(args: argparse.Namespace) -> dict:
     target = load_model(args.target_model, device=args.device, dtype=args.dtype)
     draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy in ("model", "hybrid")
              else None)
+    if draft is not None:  # the in-process anchors use the same draft as the service, head and all
+        from draft_service.proposers.model import limit_draft_vocab
+
+        limit_draft_vocab(draft, args.draft_vocab)
     tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
     prompts: list[Prompt] = select(args.num_prompts)
     ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
@@ -692,6 +698,7 @@ def run(args: argparse.Namespace) -> dict:
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
                              orchestrators=orchestrator_specs(args, flags),
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
+                             draft_vocab=args.draft_vocab,
                              log_dir=args.log_dir)
     not_measured: dict[str, str] = {}
     progress = None

@@ -76,6 +76,7 @@ class BenchServices:
     adaptive: bool = True
     orchestrators: dict = field(default_factory=dict)  # name -> (target process name, extra flags)
     batch_window_ms: float | None = None  # start a second, batching target for the sessions sweep
+    draft_vocab: int = 8192  # draft service --draft-vocab (model and hybrid strategies)
     log_dir: str | None = None
     redis: RedisServer | None = None
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -116,8 +117,8 @@ class BenchServices:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
                                                *self._common(), "--batch-window-ms", str(self.batch_window_ms)])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
-            dargs += (["--model", self.draft_model] if self.strategy in ("model", "hybrid")
-                      else ["--vocab-from", self.target_model])
+            dargs += (["--model", self.draft_model, "--draft-vocab", str(self.draft_vocab)]
+                      if self.strategy in ("model", "hybrid") else ["--vocab-from", self.target_model])
             self._spawn("draft", dargs)
             for name in list(self.procs):
                 self.addresses[name] = self.procs[name].wait_ready(timeout)

@@ -98,7 +98,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
                    max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
-                   hybrid_model_max_len: int = 2) -> tuple[Proposer, common_pb2.ModelInfo]:
+                   hybrid_model_max_len: int = 2, draft_vocab: int = 0) -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 
@@ -114,7 +114,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
             tokenizer_fingerprint="" if tok is None else tokenizer_fingerprint(tok), strategy="ngram",
         )
         return proposer, info
-    from draft_service.proposers.model import ModelProposer
+    from draft_service.proposers.model import ModelProposer, limit_draft_vocab
 
     if strategy not in ("model", "hybrid"):
         raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram or hybrid)")
@@ -125,12 +125,14 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids, device=str(loaded.device),
         dtype=str(loaded.dtype).replace("torch.", ""), strategy=strategy,
     )
+    if limit_draft_vocab(loaded, draft_vocab):
+        info.model_name = f"{loaded.name}[vocab<{draft_vocab}]"
     proposer = ModelProposer(loaded, store)
     if strategy == "hybrid":
         from draft_service.proposers.hybrid import HybridProposer
         from draft_service.proposers.ngram import NgramProposer
 
-        info.model_name = f"ngram(prompt-lookup)+{loaded.name}"
+        info.model_name = f"ngram(prompt-lookup)+{info.model_name}"
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size), proposer, hybrid_model_max_len), info
     return proposer, info
 
@@ -152,6 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model: a small LM; ngram: prompt lookup; hybrid: prompt lookup, the model where it finds "
                         "no match")
     p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy model or hybrid)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the model drafts only token ids below N (a smaller LM head: FR-Spec); 0 = the whole "
+                        "vocabulary. Exactness does not depend on it, only speed and acceptance")
     p.add_argument("--hybrid-model-max-len", type=int, default=2,
                    help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
     p.add_argument("--vocab-from", default=None, help="ngram: the target's model spec, for the tokenizer check")
@@ -176,7 +181,8 @@ def serve(args: argparse.Namespace) -> None:
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
-                                    args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len)
+                                    args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
+                                    args.draft_vocab)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

@@ -64,3 +64,33 @@ def test_hybrid_sampling_is_exact_and_reproducible(redis_url):
         assert a.token_ids == b.token_ids and a.stats["verify_steps"] > 0
     finally:
         s.stop()
+
+
+def test_top_vocab_head_drafts_only_the_first_ids_and_stays_exact(redis_url):
+    """--draft-vocab: the draft's head covers ids < n (logits -inf elsewhere); its argmax over those ids is
+    the full head's argmax restricted to them; outputs through the services still equal target-only."""
+    from draft_service.proposers.model import TopVocabHead, limit_draft_vocab
+    from specdec.models import load_model
+
+    loaded = load_model(DRAFT_EARLY)
+    full = loaded.model.get_output_embeddings()
+    h = torch.randn(2, 3, full.in_features)
+    with torch.no_grad():
+        want = full(h)
+    assert limit_draft_vocab(loaded, 40)
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, TopVocabHead)
+    with torch.no_grad():
+        got = head(h)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[..., :40], want[..., :40])
+    assert torch.isneginf(got[..., 40:]).all()
+    assert not limit_draft_vocab(load_model(DRAFT_EARLY), 0)
+    assert not limit_draft_vocab(load_model(DRAFT_EARLY), 64)  # the whole vocabulary already
+
+    from tests.harness import start_stack as _start
+    from draft_service.proposers.model import ModelProposer
+
+    proposer = ModelProposer(loaded, SessionCacheStore())
+    p = proposer.get_candidates("v", 0, [1, 5, 9, 12], 6, SamplingParams(temperature=1.0), 1, 0)
+    assert all(t < 40 for t in p.tokens) and bool((p.probs_fp16[:, 40:] == 0).all())
