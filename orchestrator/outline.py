@@ -182,6 +182,9 @@ def _draft_strategy(servicer, view: dict) -> dict:
     elif kind == "model":
         drafter = (f"draft model {info.model_name}: a small causal LM sharing the target's tokenizer proposes k "
                    "tokens autoregressively from its own per-session KV cache")
+    elif kind == "hybrid":
+        drafter = (f"hybrid {info.model_name}: n-gram prompt lookup where the context repeats itself, else the "
+                   "draft model for a few tokens from its per-session KV cache (it catches up lazily)")
     else:
         drafter = f"draft service ({status}); its kind is not known yet"
     if reps and not any(r["status"] == "reachable" for r in reps):
@@ -195,6 +198,13 @@ def _draft_strategy(servicer, view: dict) -> dict:
         policy = f"fixed: k = the request's max_draft_len or the default {default_k}, at most {max_k}"
     policy += ("; never more than the tokens left minus one; a drafter may return fewer (a short n-gram "
                "continuation), and an empty draft makes that step one target-only token")
+    limit = int(_cfg(cfg, "speculation_max_sessions", 0) or 0)
+    if limit:
+        policy += f"; target-only while more than {limit} sessions are generating (load switch)"
+    pipeline = _cfg(cfg, "pipeline", "off")
+    pipelining = {"off": "off: draft, then verify", "on": "on: the next block is drafted while the target verifies",
+                  "auto": "auto: the next block is drafted during verification when the measured full-block rate "
+                          "x Propose round trip beats the minimum gain"}.get(pipeline, pipeline)
     out = {
         "kind": kind,
         "drafter": drafter,
@@ -202,6 +212,7 @@ def _draft_strategy(servicer, view: dict) -> dict:
         "structureDetail": (f"token tree verified in one target forward with a tree attention mask: {tree}" if tree
                             else "one linear chain of k draft tokens per step, verified in one target forward"),
         "draftLength": {"policy": policy, "adaptive": adaptive, "default": default_k, "max": max_k},
+        "pipelining": pipelining,
         "status": status,
     }
     if reps:
