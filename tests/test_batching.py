@@ -8,6 +8,21 @@ from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
 
 
+def run_concurrently(fn, n: int, timeout_s: float = 120) -> list:
+    """fn(i) for i in range(n), each in its own thread; their results in order."""
+    results = [None] * n
+
+    def run(i):
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return results
+
+
 def test_batched_forward_matches_separate_forwards():
     loaded = model(TARGET)
     lm = CachedLM(loaded, SessionCacheStore())
@@ -41,17 +56,8 @@ def test_concurrent_sessions_batched_are_token_identical(redis_url):
                 for p in prompts]
         batcher = stack.target_engine.batcher
         before = batcher.batches, batcher.batched_jobs  # the sequential references' Decode steps ran alone
-        results = [None] * len(prompts)
-
-        def run(i):
-            results[i] = stack.client.generate(prompts[i], max_new_tokens=40, max_draft_len=3,
-                                               ignore_eos=True).token_ids
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, max_draft_len=3,
+                                                                   ignore_eos=True).token_ids, len(prompts))
         assert results == refs
         batches, jobs = batcher.batches - before[0], batcher.batched_jobs - before[1]
         assert jobs / batches > 1.5, "concurrent verifies should share forward passes"
@@ -113,16 +119,7 @@ def test_concurrent_decodes_share_forward_passes():
     batched = TargetEngine(loaded, SessionCacheStore(), batch_window_ms=20)
     contexts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(6)]
     refs = [_decode(plain, f"r{i}", c, 16, 0.0)[0] for i, c in enumerate(contexts)]
-    results = [None] * len(contexts)
-
-    def run(i):
-        results[i] = _decode(batched, f"c{i}", contexts[i], 16, 0.0)[0]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(contexts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = run_concurrently(lambda i: _decode(batched, f"c{i}", contexts[i], 16, 0.0)[0], len(contexts))
     assert results == refs
     assert batched.batcher.batched_jobs / batched.batcher.batches > 1.5
 
@@ -141,16 +138,8 @@ def test_speculation_turns_off_above_the_session_limit(redis_url):
         alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
         assert alone.token_ids == refs[0]
         assert alone.stats["load_shed_steps"] == 0 and alone.stats["verify_steps"] > 0
-        results = [None] * len(prompts)
-
-        def run(i):
-            results[i] = stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True),
+                                   len(prompts))
         assert [r.token_ids for r in results] == refs
         assert sum(r.stats["load_shed_steps"] for r in results) > 0
         assert all(r.stats["decode_ms"] > 0 for r in results if r.stats["decode_steps"])
