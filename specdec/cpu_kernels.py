@@ -25,17 +25,43 @@ def available() -> bool:
 
 class PackedLinear(torch.nn.Module):
     """Inference-only drop-in for nn.Linear with its weight prepacked for oneDNN. Keeps `weight` (tied
-    embeddings and anything that reads it still see the original tensor)."""
+    embeddings, save_pretrained and anything else that reads it still see the original tensor); the packed
+    copy is derived from it and rebuilt when the weight changes (`.to(dtype)`, a load), and is never copied
+    or pickled (oneDNN's opaque tensors cannot be)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self._packed, self._packed_for = None, None
+        self._pack()
+
+    def _key(self):
+        w = self.weight
+        try:
+            version = w._version  # an in-place update (load_state_dict) keeps data_ptr but bumps this
+        except RuntimeError:  # inference tensors have no version counter
+            version = -1
+        return w.dtype, w.device, w.data_ptr(), version
+
+    def _pack(self) -> torch.Tensor:
+        key = self._key()
+        if self._packed_for != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self._packed_for = key
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        w = self.weight
+        if w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in (torch.float32, torch.bfloat16):
+            return torch.nn.functional.linear(x, w, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_packed"], state["_packed_for"] = None, None  # rebuilt on first use
+        return state
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn-prepacked"

@@ -70,3 +70,21 @@ def test_prepack_modes():
         cpu_kernels.should_prepack("on", torch.device("meta"))
     with pytest.raises(ValueError, match="auto, on or off"):
         cpu_kernels.should_prepack("yes", torch.device("cpu"))
+
+
+def test_a_prepacked_model_can_be_copied_and_cast():
+    """deepcopy, pickling and .to(bfloat16) work (distill copies the teacher to time it in bf16): the packed
+    weights are rebuilt from the weight, never copied."""
+    import copy
+    import pickle
+
+    packed = load_model(SPEC, prepack="on", prepack_min_elements=0).model
+    plain = load_model(SPEC, prepack="off").model
+    ids = torch.tensor([[3, 9, 27, 17]])
+    twin = copy.deepcopy(packed)
+    pickle.loads(pickle.dumps(packed))
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        b16 = copy.deepcopy(packed).to(torch.bfloat16)
+        want = copy.deepcopy(plain).to(torch.bfloat16)(input_ids=ids).logits.float()
+        torch.testing.assert_close(b16(input_ids=ids).logits.float(), want, rtol=0.05, atol=0.05)

@@ -161,3 +161,15 @@ def test_offline_text_and_prompts(tmp_path):
     assert len(set(train)) == 40 and len(held) == 10
     assert not set(train) & set(held)
     assert distill.build_prompts(40, 0, corpus) == train
+
+
+def test_latency_of_a_prepacked_teacher_in_bfloat16():
+    """distill times the teacher in bf16 on a deep copy: that must work for oneDNN-prepacked models too."""
+    import torch
+
+    from draft_service.distill import decode_latency_ms
+    from specdec.models import load_model
+
+    teacher = load_model("tiny:vocab=64,layers=1,hidden=64,seed=0", prepack="on", prepack_min_elements=0).model
+    assert decode_latency_ms(teacher, torch.bfloat16, prompt_len=8, n_tokens=4, repeats=1) > 0
+    assert decode_latency_ms(teacher, torch.float32, prompt_len=8, n_tokens=4, repeats=1) > 0
