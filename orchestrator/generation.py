@@ -309,6 +309,7 @@ class Generation:
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         if self._overloaded():
             self.rec.stats["load_shed_steps"] += 1
+            metrics.record_load_shed()
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         if self.cfg.tree_budget > 0:
             from orchestrator.tree_step import tree_step

@@ -21,6 +21,9 @@ def _instruments():
                                           description="sessions moved to another draft replica"),
         "degraded": meter.create_counter("specdec.degraded.duration", unit="s",
                                          description="wall time spent decoding target-only because drafts failed"),
+        "load_shed": meter.create_counter("specdec.speculation.load_shed_steps", unit="{step}",
+                                          description="steps decoded target-only because too many sessions were "
+                                                      "generating (--speculation-max-sessions)"),
     }
 
 
@@ -42,3 +45,7 @@ def record_failover() -> None:
 
 def record_degraded(seconds: float) -> None:
     _instruments()["degraded"].add(seconds)
+
+
+def record_load_shed() -> None:
+    _instruments()["load_shed"].add(1)
