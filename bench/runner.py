@@ -185,6 +185,15 @@ def _no_draft_reason(args) -> str:
     return f"{args.draft_model!r} is not in the cache (run `specdec distill`)"
 
 
+def _draft_note(args, strategy: str) -> str | None:
+    if strategy == "hybrid":
+        return "prompt lookup, the draft model where the context has no match"
+    if strategy == "model":
+        return None
+    return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter and HF prompt "
+            "lookup is the in-process anchor")
+
+
 def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     from bench.hf import hf_settings
 
@@ -669,7 +678,7 @@ def run(args: argparse.Namespace) -> dict:
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
     from specdec.models import load_model
-    from specdec.stack import StackConfig, resolve_draft_strategy
+    from specdec.stack import MODEL_STRATEGIES, StackConfig, resolve_draft_strategy
 
     import warnings
 
@@ -684,8 +693,7 @@ def run(args: argparse.Namespace) -> dict:
     strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                                                   draft_model=args.draft_model))
     target = load_model(args.target_model, device=args.device, dtype=args.dtype)
-    draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy in ("model", "hybrid")
-             else None)
+    draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy in MODEL_STRATEGIES else None
     if draft is not None:  # the in-process anchors use the same draft as the service, head and all
         from draft_service.proposers.model import limit_draft_vocab
 
@@ -868,11 +876,8 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "throughput_8_sessions_vs_1": analysis.ratio(smax["tokens_per_s"], s1["tokens_per_s"]) if smax and s1 else None,
         "sessions_sweep": sweep_name,
         "max_sessions": smax["sessions"] if smax else None,
-        "draft": {"strategy": strategy, "model": args.draft_model if strategy in ("model", "hybrid") else None,
-                  "note": ("prompt lookup, the draft model where the context has no match" if strategy == "hybrid"
-                           else None) if strategy in ("model", "hybrid") else
-                  f"{_no_draft_reason(args)}, so the services draft with the "
-                  "n-gram prompt-lookup drafter and HF prompt lookup is the in-process anchor"},
+        "draft": {"strategy": strategy, "model": args.draft_model if draft is not None else None,
+                  "note": _draft_note(args, strategy)},
         "flags_available": flags,
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,
                      "prompts": [{"name": p.name, "kind": p.kind, "prompt_tokens": len(ids[p.name])} for p in prompts],

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from specdec.redis_server import RedisServer
-from specdec.stack import ServiceProcess, StackConfig, resolve_draft_strategy
+from specdec.stack import ServiceProcess, StackConfig, draft_model_args, resolve_draft_strategy
 
 log = logging.getLogger("bench")
 
@@ -117,8 +117,8 @@ class BenchServices:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
                                                *self._common(), "--batch-window-ms", str(self.batch_window_ms)])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
-            dargs += (["--model", self.draft_model, "--draft-vocab", str(self.draft_vocab)]
-                      if self.strategy in ("model", "hybrid") else ["--vocab-from", self.target_model])
+            dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
+                                      ["--draft-vocab", str(self.draft_vocab)])
             self._spawn("draft", dargs)
             for name in list(self.procs):
                 self.addresses[name] = self.procs[name].wait_ready(timeout)

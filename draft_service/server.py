@@ -115,8 +115,9 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         )
         return proposer, info
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
+    from specdec.stack import MODEL_STRATEGIES
 
-    if strategy not in ("model", "hybrid"):
+    if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram or hybrid)")
     loaded = load_model(model, device=device, dtype=dtype, prepack=prepack)
     store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)

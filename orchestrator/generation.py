@@ -96,8 +96,9 @@ class AcceptanceWindow:
                 "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
 
 
-class TargetStepTimer:
-    """EMA of one target forward, shared by all sessions; it sets the draft deadline."""
+class StepTimer:
+    """EMA of a step's duration: the target forward (shared by all sessions; it sets the draft deadline) or a
+    session's Propose round trip (what a prefetch saves)."""
 
     def __init__(self):
         self.ms = 0.0
@@ -142,7 +143,7 @@ class Generation:
     cfg: LoopConfig
     cancel: threading.Event = field(default_factory=threading.Event)
     window: AcceptanceWindow | None = None
-    target_step: TargetStepTimer = field(default_factory=TargetStepTimer)
+    target_step: StepTimer = field(default_factory=StepTimer)
     active_sessions: Callable[[], int] | None = None  # generations running in this orchestrator (load switch)
 
     def __post_init__(self):
@@ -164,7 +165,7 @@ class Generation:
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
         self.full_block_rate = 1.0    # EMA of "the whole block was accepted": how often a prefetch is usable
-        self.propose_ms = 0.0         # EMA of a Propose round trip: what a usable prefetch saves
+        self.propose_time = StepTimer()  # Propose round trips: what a usable prefetch saves
 
     # -- the draft side ----------------------------------------------------------------------------
 
@@ -221,8 +222,7 @@ class Generation:
             return None, True
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
-        ms = (time.perf_counter() - t0) * 1e3
-        self.propose_ms = ms if self.propose_ms == 0 else 0.8 * self.propose_ms + 0.2 * ms
+        self.propose_time.observe((time.perf_counter() - t0) * 1e3)
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -343,7 +343,7 @@ class Generation:
     def _prefetch_pays(self) -> bool:
         """auto: a prefetch saves one Propose round trip when the block is fully accepted, and costs about one
         extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss."""
-        return self.last_block_full and self.full_block_rate * self.propose_ms > self.cfg.pipeline_min_gain_ms
+        return self.last_block_full and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms
 
     def _start_prefetch(self, replica, reply, k: int):
         """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more)."""

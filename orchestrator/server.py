@@ -15,7 +15,7 @@ import grpc
 from orchestrator.clients import TargetClient
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
-                                     TargetStepTimer, stats_message)
+                                     StepTimer, stats_message)
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
@@ -65,7 +65,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
         self.window = AcceptanceWindow()
-        self.target_step = TargetStepTimer()
+        self.target_step = StepTimer()
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.

@@ -11,11 +11,7 @@ decoding, and makes the 1-token step itself a little faster. Results are float32
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger("specdec.kernels")
 
 
 def available() -> bool:

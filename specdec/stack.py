@@ -106,6 +106,16 @@ class StackConfig:
     metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
 
 
+MODEL_STRATEGIES = ("model", "hybrid")  # draft strategies that load a draft model
+
+
+def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:
+    """`specdec serve draft` arguments naming its model (model strategies) or the target's tokenizer (n-gram)."""
+    if strategy in MODEL_STRATEGIES:
+        return ["--model", draft_model, *extra]
+    return ["--vocab-from", target_model]
+
+
 def resolve_draft_strategy(cfg: StackConfig) -> str:
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy
@@ -157,7 +167,7 @@ class LocalStack:
         try:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
-            if self.draft_strategy in ("model", "hybrid"):
+            if self.draft_strategy in MODEL_STRATEGIES:
                 from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
@@ -165,8 +175,7 @@ class LocalStack:
             for i in range(cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i)]
-                dargs += (["--model", cfg.draft_model] if self.draft_strategy in ("model", "hybrid")
-                          else ["--vocab-from", cfg.target_model])
+                dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
                 self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
             target_addr = self.target.wait_ready(timeout)
             draft_addrs = [d.wait_ready(timeout) for d in self.drafts]

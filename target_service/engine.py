@@ -52,6 +52,8 @@ class VerifyBatcher:
     `window_ms` and runs them as one forward pass, so aggregate throughput grows with concurrency. A call waits
     at most the window, and not at all while no other session has submitted work in the last ACTIVE_S."""
 
+    ACTIVE_S = 1.0  # a session that submitted within this long is expected to submit again soon
+
     def __init__(self, engine: "TargetEngine", window_ms: float, max_batch: int = 16, max_queue: int = 256):
         self.engine = engine
         self.window_s = window_ms / 1e3
@@ -78,8 +80,6 @@ class VerifyBatcher:
         for sid in stale:
             del self._last_seen[sid]
         return len(self._last_seen) > 1
-
-    ACTIVE_S = 1.0  # a session that submitted within this long is expected to submit again soon
 
     def _loop(self) -> None:
         while True:

@@ -154,11 +154,14 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
 
     from orchestrator.generation import Generation, LoopConfig
 
+    from orchestrator.generation import StepTimer
+
     gen = types.SimpleNamespace(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), last_block_full=True,
-                                full_block_rate=1.0, propose_ms=0.4)
+                                full_block_rate=1.0, propose_time=StepTimer())
+    gen.propose_time.observe(0.4)
     pays = Generation._prefetch_pays
     assert not pays(gen)                       # cheap drafter: nothing to hide
-    gen.propose_ms, gen.full_block_rate = 20.0, 0.7
+    gen.propose_time.ms, gen.full_block_rate = 20.0, 0.7
     assert pays(gen)                           # 14 ms expected saving
     gen.full_block_rate = 0.03
     assert not pays(gen)                       # blocks are rarely fully accepted: prefetches are wasted
