@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import signal
 import time
 
@@ -98,7 +99,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
                    max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
-                   hybrid_model_max_len: int = 2, draft_vocab: int = 0) -> tuple[Proposer, common_pb2.ModelInfo]:
+                   hybrid_model_max_len: int = 2, draft_vocab: int = 0,
+                   datastore: str = "none") -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 
@@ -108,10 +110,12 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         # A model-free drafter still answers to the target's tokenizer, for the start-up compatibility check.
         tok = load_tokenizer(vocab_from) if vocab_from else None
         vocab = len(tok) if tok is not None else 2**31
-        proposer = NgramProposer(vocab_size=vocab)
+        fingerprint = "" if tok is None else tokenizer_fingerprint(tok)
+        store = open_datastore(datastore, vocab_from, fingerprint, vocab)
+        proposer = NgramProposer(vocab_size=vocab, datastore=store)
         info = common_pb2.ModelInfo(
-            model_name=f"ngram(prompt-lookup)", vocab_size=0 if tok is None else vocab,
-            tokenizer_fingerprint="" if tok is None else tokenizer_fingerprint(tok), strategy="ngram",
+            model_name="ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")"),
+            vocab_size=0 if tok is None else vocab, tokenizer_fingerprint=fingerprint, strategy="ngram",
         )
         return proposer, info
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
@@ -133,9 +137,39 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         from draft_service.proposers.hybrid import HybridProposer
         from draft_service.proposers.ngram import NgramProposer
 
-        info.model_name = f"ngram(prompt-lookup)+{info.model_name}"
-        return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size), proposer, hybrid_model_max_len), info
+        store = open_datastore(datastore, vocab_from or model, loaded.fingerprint, loaded.vocab_size)
+        info.model_name = "ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")") + f"+{info.model_name}"
+        return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
+                              hybrid_model_max_len), info
     return proposer, info
+
+
+def open_datastore(choice: str, target: str | None, fingerprint: str, vocab_size: int):
+    """--datastore: none; a path; or auto: the table `specdec datastore` wrote for the target, if there is one.
+    A table from another tokenizer would only propose wrong tokens: refused (auto: ignored with a warning)."""
+    from draft_service.datastore_build import datastore_path
+    from draft_service.proposers.datastore import NgramDatastore
+
+    if choice in ("", "none"):
+        return None
+    path = datastore_path(target) if choice == "auto" and target else pathlib.Path(choice).expanduser()
+    if choice == "auto" and (not target or not path.is_file()):
+        log.info("no n-gram datastore; prompt lookup only (`specdec datastore` builds one)",
+                 extra={"path": str(path) if target else None})
+        return None
+    store = NgramDatastore.load(path)
+    problem = None
+    if fingerprint and store.meta.get("tokenizer_fingerprint") != fingerprint:
+        problem = f"datastore {path} was built for another tokenizer ({store.meta.get('target')!r})"
+    elif store.max_token() >= vocab_size:
+        problem = f"datastore {path} holds token ids beyond the vocabulary of {vocab_size}"
+    if problem and choice == "auto":
+        log.warning(problem + "; not used", extra={"path": str(path)})
+        return None
+    if problem:
+        raise ValueError(problem)
+    log.info("n-gram datastore loaded", extra={"path": str(path), "entries": store.entries})
+    return store
 
 
 def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8,
@@ -160,6 +194,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary. Exactness does not depend on it, only speed and acceptance")
     p.add_argument("--hybrid-model-max-len", type=int, default=2,
                    help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
+    p.add_argument("--datastore", default="auto",
+                   help="ngram/hybrid: n-gram table of the target's own replies (`specdec datastore`): auto (the one "
+                        "built for --vocab-from's target, if any), none, or a path")
     p.add_argument("--vocab-from", default=None, help="ngram: the target's model spec, for the tokenizer check")
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--device", default="auto")
@@ -183,7 +220,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
-                                    args.draft_vocab)
+                                    args.draft_vocab, args.datastore)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

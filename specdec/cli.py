@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["distill"]:
         return cmd_distill(argv[1:])
+    if argv[:1] == ["datastore"]:
+        from draft_service.datastore_build import main as datastore_main
+
+        return datastore_main(argv[1:])
     parser = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=cmd_run)
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
+    sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "
+                                     "(see `specdec datastore --help`)")
 
     from specdec import stats_cli
 

@@ -110,9 +110,10 @@ MODEL_STRATEGIES = ("model", "hybrid")  # draft strategies that load a draft mod
 
 
 def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:
-    """`specdec serve draft` arguments naming its model (model strategies) or the target's tokenizer (n-gram)."""
+    """`specdec serve draft` arguments naming its model (model strategies) and the target (its tokenizer, for the
+    n-gram drafter's compatibility check and its datastore)."""
     if strategy in MODEL_STRATEGIES:
-        return ["--model", draft_model, *extra]
+        return ["--model", draft_model, "--vocab-from", target_model, *extra]
     return ["--vocab-from", target_model]
 
 

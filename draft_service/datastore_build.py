@@ -1,0 +1,133 @@
+"""`specdec datastore`: build the n-gram datastore the n-gram drafter uses (draft_service/proposers/datastore.py).
+
+The target continues a fixed, seeded set of offline prompts (chat, code, passages; the same prompts and the same
+cached generations as `specdec distill`, so after a distill run this takes seconds), the table is built from its
+replies, and a report gives tokens per verify step on held-out prompts with prompt lookup alone and with the
+datastore, simulated with the served NgramProposer itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import torch
+
+from draft_service.proposers.datastore import NgramDatastore
+from draft_service.proposers.ngram import NgramProposer
+
+logger = logging.getLogger("specdec.datastore")
+
+
+def datastore_path(target_spec: str) -> pathlib.Path:
+    """Where `specdec datastore` writes the table for a target and where `--datastore auto` looks for it."""
+    from specdec.models import models_dir
+
+    name = target_spec.strip().rstrip("/").replace("\\", "/")
+    slug = name.split("/")[-1] if os.path.sep in name or name.startswith((".", "/", "~")) else name.replace("/", "--")
+    return models_dir() / f"{slug.lower()}-datastore.npz"
+
+
+def simulate_tokens_per_step(proposer: NgramProposer, held: list[tuple[list[int], int]], draft_len: int) -> dict:
+    """Greedy speculative decoding along each held-out reply: draft, accept the matching prefix, add the target's
+    token. Tokens per verify step is what the target saves; it ignores the (flat) cost of longer verify blocks."""
+    steps = accepted = proposed = generated = 0
+    for ids, start in held:
+        n = start + 1  # tokens committed: the prompt
+        generated += len(ids) - n
+        while n < len(ids):
+            draft = proposer.lookup(ids[:n], draft_len)
+            k = 0
+            while k < len(draft) and n + k < len(ids) and draft[k] == ids[n + k]:
+                k += 1
+            steps += 1
+            accepted += k
+            proposed += len(draft)
+            n += k + 1
+    return {"draft_len": draft_len, "tokens_per_step": generated / max(steps, 1),
+            "acceptance_rate": accepted / max(proposed, 1), "drafted_per_step": proposed / max(steps, 1)}
+
+
+def replies(data: Any) -> list[tuple[list[int], int]]:
+    """(prompt + reply ids, index of the last prompt token) for every generated sequence of TeacherData."""
+    return [(seq.tolist(), start) for seq, start, kind in zip(data.seqs, data.starts, data.kinds)
+            if kind.startswith(("gen", "heldout"))]
+
+
+def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, vocab_size: int, target: str,
+                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8)) -> tuple[NgramDatastore, dict]:
+    store = NgramDatastore.build(replies(train), max_n=max_n, min_count=min_count, target=target,
+                                 tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size)
+    held_replies = replies(held)
+    plain, with_store = NgramProposer(vocab_size), NgramProposer(vocab_size, datastore=store)
+    report = {"heldout_replies": len(held_replies),
+              "heldout_tokens": sum(len(ids) - s - 1 for ids, s in held_replies),
+              "prompt_lookup": [simulate_tokens_per_step(plain, held_replies, g) for g in draft_lens],
+              "prompt_lookup_and_datastore": [simulate_tokens_per_step(with_store, held_replies, g) for g in draft_lens]}
+    store.meta["heldout"] = report
+    return store, report
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec datastore", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target-model", default="smollm2", help="the target whose replies fill the table")
+    p.add_argument("--out", default=None, help="output .npz (default: models cache, <target>-datastore.npz)")
+    p.add_argument("--quick", action="store_true", help="16 prompts, 48 new tokens: a smoke test")
+    p.add_argument("--train-prompts", type=int, default=None, help="prompts the target continues (default 192)")
+    p.add_argument("--heldout-prompts", type=int, default=None, help="prompts for the report (default 24)")
+    p.add_argument("--gen-max-new", type=int, default=None, help="tokens per reply (default 128)")
+    p.add_argument("--max-n", type=int, default=4, help="longest n-gram in the table")
+    p.add_argument("--min-count", type=int, default=1, help="an n-gram must have been seen this often")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--no-teacher-cache", action="store_true", help="do not reuse or store the target's replies")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draft_service import distill
+    from specdec.models import cache_dir, load_model
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, args.threads))
+    t0 = time.monotonic()
+    cfg = distill.DistillConfig()
+    if args.quick:
+        cfg = dataclasses.replace(cfg, **distill.QUICK_OVERRIDES)
+    overrides: dict[str, Any] = dict(seed=args.seed, progress=not args.no_progress, total_budget_s=0.0)
+    if args.gen_max_new is not None:
+        overrides["gen_max_new"] = args.gen_max_new
+    cfg = dataclasses.replace(cfg, **overrides)
+    n_train = args.train_prompts if args.train_prompts is not None else (16 if args.quick else 192)
+    n_held = args.heldout_prompts if args.heldout_prompts is not None else (8 if args.quick else 24)
+    out = pathlib.Path(args.out).expanduser() if args.out else datastore_path(args.target_model)
+
+    loaded = load_model(args.target_model, device="cpu", dtype="float32")
+    corpus = distill.collect_offline_text(int(cfg.text_tokens * 4.5), seed=cfg.seed, progress=cfg.progress,
+                                          n_passages=max(8, n_train // 3), n_heldout_passages=max(4, n_held // 3))
+    prompts = distill.build_prompts(n_train, cfg.seed, corpus)
+    heldout = distill.build_prompts(n_held, cfg.seed, corpus, heldout=True)
+    cache = None
+    if not args.no_teacher_cache:  # the key matches `specdec distill` with the same settings: shared replies
+        key = distill._teacher_key(loaded.model, loaded.tokenizer, cfg, corpus.texts, prompts, heldout)
+        cache = cache_dir() / "distill" / f"teacher-{key}.pt"
+    train, held, timings = distill.build_teacher_data(loaded.model, loaded.tokenizer, cfg, corpus.texts, prompts,
+                                                      heldout, cache)
+    store, report = build_from_teacher_data(train, held, loaded.fingerprint, loaded.vocab_size, args.target_model,
+                                            max_n=args.max_n, min_count=args.min_count)
+    store.meta.update(train_prompts=n_train, seed=args.seed, build_s=round(time.monotonic() - t0, 1),
+                      teacher_timings_s={k: round(v, 1) for k, v in timings.items()})
+    store.save(out)
+    summary = {"out": str(out), "entries": store.entries, "tokens": store.meta["tokens"],
+               "size_bytes": out.stat().st_size, "wall_s": round(time.monotonic() - t0, 1), **report}
+    print(json.dumps(summary, indent=2))
+    return 0
