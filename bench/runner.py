@@ -185,13 +185,24 @@ def _no_draft_reason(args) -> str:
     return f"{args.draft_model!r} is not in the cache (run `specdec distill`)"
 
 
+def _datastore_note(args) -> str:
+    """The n-gram drafter's table (draft service --datastore auto), if `specdec datastore` built one."""
+    from draft_service.datastore_build import datastore_path
+
+    path = datastore_path(args.target_model)
+    if path.is_file():
+        return (f" plus the n-gram datastore {path.name} (the target's replies to the distill training prompts, "
+                "disjoint from the bench prompts; HF has no equivalent)")
+    return " (no n-gram datastore: `specdec datastore` builds one)"
+
+
 def _draft_note(args, strategy: str) -> str | None:
     if strategy == "hybrid":
-        return "prompt lookup, the draft model where the context has no match"
+        return "prompt lookup" + _datastore_note(args) + ", the draft model where neither has a match"
     if strategy == "model":
         return None
-    return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter and HF prompt "
-            "lookup is the in-process anchor")
+    return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter"
+            f"{_datastore_note(args)}, and HF prompt lookup is the in-process anchor")
 
 
 def build_configs(args, services, target, draft, flags: dict) -> list[Config]:

@@ -60,13 +60,32 @@ def replies(data: Any) -> list[tuple[list[int], int]]:
             if kind.startswith(("gen", "heldout"))]
 
 
+def _shingles(text: str, n: int = 8) -> set[str]:
+    words = text.split()
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def overlapping_benchmark(prompts: list[str]) -> list[str]:
+    """Training prompts sharing an 8-word run with a benchmark prompt: their replies stay out of the table, or
+    the benchmark would draft from the target's answer to (nearly) its own question."""
+    from bench.prompts import PROMPTS
+
+    bench = set().union(*(_shingles(p.text) for p in PROMPTS))
+    return [p for p in prompts if _shingles(p) & bench]
+
+
 def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, vocab_size: int, target: str,
-                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8)) -> tuple[NgramDatastore, dict]:
-    store = NgramDatastore.build(replies(train), max_n=max_n, min_count=min_count, target=target,
+                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8),
+                            exclude_prompts: list[list[int]] = ()) -> tuple[NgramDatastore, dict]:
+    """exclude_prompts: prompt ids whose replies are left out (see overlapping_benchmark)."""
+    excluded = {tuple(p) for p in exclude_prompts}
+    kept = [(ids, s) for ids, s in replies(train) if tuple(ids[:s + 1]) not in excluded]
+    store = NgramDatastore.build(kept, max_n=max_n, min_count=min_count, target=target,
                                  tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size)
     held_replies = replies(held)
     plain, with_store = NgramProposer(vocab_size), NgramProposer(vocab_size, datastore=store)
-    report = {"heldout_replies": len(held_replies),
+    report = {"replies": len(kept), "excluded_replies": len(replies(train)) - len(kept),
+              "heldout_replies": len(held_replies),
               "heldout_tokens": sum(len(ids) - s - 1 for ids, s in held_replies),
               "prompt_lookup": [simulate_tokens_per_step(plain, held_replies, g) for g in draft_lens],
               "prompt_lookup_and_datastore": [simulate_tokens_per_step(with_store, held_replies, g) for g in draft_lens]}
@@ -122,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         cache = cache_dir() / "distill" / f"teacher-{key}.pt"
     train, held, timings = distill.build_teacher_data(loaded.model, loaded.tokenizer, cfg, corpus.texts, prompts,
                                                       heldout, cache)
+    overlap = overlapping_benchmark(prompts)
+    if overlap:
+        logger.info("leaving out %d training prompt(s) that overlap the benchmark's: %s", len(overlap), overlap)
     store, report = build_from_teacher_data(train, held, loaded.fingerprint, loaded.vocab_size, args.target_model,
-                                            max_n=args.max_n, min_count=args.min_count)
+                                            max_n=args.max_n, min_count=args.min_count,
+                                            exclude_prompts=[distill.encode_prompt(loaded.tokenizer, p) for p in overlap])
     store.meta.update(train_prompts=n_train, seed=args.seed, build_s=round(time.monotonic() - t0, 1),
                       teacher_timings_s={k: round(v, 1) for k, v in timings.items()})
     store.save(out)

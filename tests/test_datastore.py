@@ -105,3 +105,20 @@ def test_datastore_command_quick(tmp_path, capsys):
     assert store.meta["tokenizer_fingerprint"] == model(TARGET).fingerprint
     for key in ("prompt_lookup", "prompt_lookup_and_datastore"):
         assert all(r["tokens_per_step"] >= 1.0 for r in summary[key])
+
+
+def test_benchmark_prompts_stay_out_of_the_table():
+    from bench.prompts import PROMPTS
+    from draft_service.datastore_build import build_from_teacher_data, overlapping_benchmark
+    from draft_service.distill import TeacherData
+    import torch
+
+    assert overlapping_benchmark([PROMPTS[0].text + " Thanks.", "An unrelated question about gardens."]) == [
+        PROMPTS[0].text + " Thanks."]
+    data = TeacherData()
+    for prompt, reply in (([1, 2], [10, 11, 12]), ([3, 4], [20, 21, 22])):
+        seq = torch.tensor(prompt + reply)
+        data.add(seq, len(prompt) - 1, torch.zeros(len(reply), 30), 2, "gen")
+    store, report = build_from_teacher_data(data, data, "f", 30, "t", exclude_prompts=[[3, 4]])
+    assert report["excluded_replies"] == 1 and report["replies"] == 1
+    assert store.next_token([10]) == 11 and store.next_token([20]) is None
