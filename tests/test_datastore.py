@@ -36,16 +36,15 @@ def test_save_load_round_trip(tmp_path):
     assert back.meta["target"] == "x" and back.meta["entries"] == store.entries
 
 
-def test_proposer_prefers_a_long_context_match_then_the_datastore():
-    store = NgramDatastore.build([([1, 2, 3, 40, 41, 42], 0)], max_n=2)
+def test_proposer_prefers_the_context_then_the_datastore():
+    store = NgramDatastore.build([([1, 2, 3, 40, 41, 42, 7, 8, 50], 0)], max_n=2)
     p = NgramProposer(vocab_size=64, datastore=store)
-    # The context repeats (7, 8): prompt lookup continues it.
+    # The context repeats (7, 8): prompt lookup continues it, although the datastore knows (7, 8) too.
     assert p.lookup([7, 8, 9, 10, 7, 8], 3) == [9, 10, 7]
-    # No 2-token match in the context: the datastore continues (3 -> 40 41 42).
-    assert p.lookup([5, 3, 11, 3], 3) == [40, 41, 42]
-    # Nothing in the datastore: a single-token context match is the last resort.
-    assert p.lookup([20, 21, 22, 20], 2) == [21, 22]
-    assert NgramProposer(vocab_size=64).lookup([5, 3, 11, 3], 3) == [11, 3]
+    assert p.lookup([20, 3, 11, 3], 2) == [11, 3]  # a single-token context match still comes first
+    # No match in the context: the datastore continues (3 -> 40 41 42 ...).
+    assert p.lookup([5, 6, 3], 3) == [40, 41, 42]
+    assert NgramProposer(vocab_size=64).lookup([5, 6, 3], 3) == []
 
 
 def test_open_datastore_checks_the_tokenizer(tmp_path):

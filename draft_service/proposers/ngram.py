@@ -50,13 +50,13 @@ class NgramProposer(Proposer):
         return Proposal(self.lookup(tokens, max_len), None, len(tokens))
 
     def lookup(self, tokens: list[int], max_len: int) -> list[int]:
-        """A match of 2+ tokens in the context beats the datastore; a single-token match is the last resort (on
-        held-out SmolLM2 replies that order gave 1.64 tokens per verify step at 4 drafts, prompt lookup alone 1.40)."""
-        if self.datastore is None:
-            return self.context_lookup(tokens, max_len, self.min_ngram)
-        return (self.context_lookup(tokens, max_len, max(2, self.min_ngram))
-                or self.datastore.continuation(tokens, max_len)
-                or self.context_lookup(tokens, max_len, self.min_ngram))
+        """The context first (what this conversation repeats is the best evidence), the datastore where the context
+        has no match at all. Simulated greedy decoding, 4 drafts: held-out distill replies 1.64 tokens per verify
+        step (prompt lookup alone 1.44), the bench prompts' replies 1.68 (1.49)."""
+        follow = self.context_lookup(tokens, max_len, self.min_ngram)
+        if follow or self.datastore is None:
+            return follow
+        return self.datastore.continuation(tokens, max_len)
 
     def context_lookup(self, tokens: list[int], max_len: int, min_ngram: int) -> list[int]:
         n_tokens = len(tokens)
