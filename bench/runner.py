@@ -187,7 +187,7 @@ def _no_draft_reason(args) -> str:
 
 def _datastore_note(args) -> str:
     """The n-gram drafter's table (draft service --datastore auto), if `specdec datastore` built one."""
-    from draft_service.datastore_build import datastore_path
+    from draft_service.proposers.datastore import datastore_path
 
     path = datastore_path(args.target_model)
     if path.is_file():

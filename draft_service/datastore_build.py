@@ -12,26 +12,16 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import time
 from typing import Any
 
 import torch
 
-from draft_service.proposers.datastore import NgramDatastore
+from draft_service.proposers.datastore import NgramDatastore, datastore_path
 from draft_service.proposers.ngram import NgramProposer
 
 logger = logging.getLogger("specdec.datastore")
-
-
-def datastore_path(target_spec: str) -> pathlib.Path:
-    """Where `specdec datastore` writes the table for a target and where `--datastore auto` looks for it."""
-    from specdec.models import models_dir
-
-    name = target_spec.strip().rstrip("/").replace("\\", "/")
-    slug = name.split("/")[-1] if os.path.sep in name or name.startswith((".", "/", "~")) else name.replace("/", "--")
-    return models_dir() / f"{slug.lower()}-datastore.npz"
 
 
 def simulate_tokens_per_step(proposer: NgramProposer, held: list[tuple[list[int], int]], draft_len: int) -> dict:
@@ -79,12 +69,13 @@ def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, v
                             exclude_prompts: list[list[int]] = ()) -> tuple[NgramDatastore, dict]:
     """exclude_prompts: prompt ids whose replies are left out (see overlapping_benchmark)."""
     excluded = {tuple(p) for p in exclude_prompts}
-    kept = [(ids, s) for ids, s in replies(train) if tuple(ids[:s + 1]) not in excluded]
+    train_replies = replies(train)
+    kept = [(ids, s) for ids, s in train_replies if tuple(ids[:s + 1]) not in excluded]
     store = NgramDatastore.build(kept, max_n=max_n, min_count=min_count, target=target,
                                  tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size)
     held_replies = replies(held)
     plain, with_store = NgramProposer(vocab_size), NgramProposer(vocab_size, datastore=store)
-    report = {"replies": len(kept), "excluded_replies": len(replies(train)) - len(kept),
+    report = {"replies": len(kept), "excluded_replies": len(train_replies) - len(kept),
               "heldout_replies": len(held_replies),
               "heldout_tokens": sum(len(ids) - s - 1 for ids, s in held_replies),
               "prompt_lookup": [simulate_tokens_per_step(plain, held_replies, g) for g in draft_lens],
@@ -113,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from draft_service import distill
-    from specdec.models import cache_dir, load_model
+    from specdec.models import load_model
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -126,19 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.gen_max_new is not None:
         overrides["gen_max_new"] = args.gen_max_new
     cfg = dataclasses.replace(cfg, **overrides)
-    n_train = args.train_prompts if args.train_prompts is not None else (16 if args.quick else 192)
-    n_held = args.heldout_prompts if args.heldout_prompts is not None else (8 if args.quick else 24)
+    n_train, n_held = distill.prompt_counts(args.quick, args.train_prompts, args.heldout_prompts)
     out = pathlib.Path(args.out).expanduser() if args.out else datastore_path(args.target_model)
 
     loaded = load_model(args.target_model, device="cpu", dtype="float32")
-    corpus = distill.collect_offline_text(int(cfg.text_tokens * 4.5), seed=cfg.seed, progress=cfg.progress,
-                                          n_passages=max(8, n_train // 3), n_heldout_passages=max(4, n_held // 3))
-    prompts = distill.build_prompts(n_train, cfg.seed, corpus)
-    heldout = distill.build_prompts(n_held, cfg.seed, corpus, heldout=True)
-    cache = None
-    if not args.no_teacher_cache:  # the key matches `specdec distill` with the same settings: shared replies
-        key = distill._teacher_key(loaded.model, loaded.tokenizer, cfg, corpus.texts, prompts, heldout)
-        cache = cache_dir() / "distill" / f"teacher-{key}.pt"
+    corpus, prompts, heldout = distill.prompt_sets(cfg, n_train, n_held)
+    # The same settings as `specdec distill` give the same cache file: the target's replies are shared.
+    cache = None if args.no_teacher_cache else distill.teacher_cache_path(loaded.model, loaded.tokenizer, cfg,
+                                                                          corpus, prompts, heldout)
     train, held, timings = distill.build_teacher_data(loaded.model, loaded.tokenizer, cfg, corpus.texts, prompts,
                                                       heldout, cache)
     overlap = overlapping_benchmark(prompts)

@@ -1540,6 +1540,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def prompt_counts(quick: bool, n_train: int | None, n_held: int | None) -> tuple[int, int]:
+    """Training and held-out prompt counts: the given ones, else the defaults (quick: 16 and 8, else 192 and 24)."""
+    return (n_train if n_train is not None else (16 if quick else 192),
+            n_held if n_held is not None else (8 if quick else 24))
+
+
+def prompt_sets(cfg: DistillConfig, n_train: int, n_held: int) -> tuple[OfflineCorpus, list[str], list[str]]:
+    """(offline corpus, training prompts, held-out prompts), deterministic for cfg.seed on a given machine."""
+    corpus = collect_offline_text(int(cfg.text_tokens * 4.5), seed=cfg.seed, progress=cfg.progress,
+                                  n_passages=max(8, n_train // 3), n_heldout_passages=max(4, n_held // 3))
+    prompts = build_prompts(n_train, cfg.seed, corpus)
+    heldout = build_prompts(n_held, cfg.seed, corpus, heldout=True)
+    logger.info("offline corpus: %d documents (%d chars) from %d files; %d train / %d held-out prompts",
+                len(corpus.texts), sum(map(len, corpus.texts)), corpus.n_files, len(prompts), len(heldout))
+    return corpus, prompts, heldout
+
+
+def teacher_cache_path(teacher: Any, tokenizer: Any, cfg: DistillConfig, corpus: OfflineCorpus,
+                       prompts: Sequence[str], heldout: Sequence[str]) -> pathlib.Path:
+    """The teacher-data cache file for these settings (shared by `specdec distill` and `specdec datastore`)."""
+    from specdec.models import cache_dir
+
+    key = _teacher_key(teacher, tokenizer, cfg, corpus.texts, prompts, heldout)
+    return cache_dir() / "distill" / f"teacher-{key}.pt"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1562,8 +1588,7 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None:
             overrides[name] = v
     cfg = dataclasses.replace(cfg, **overrides)
-    n_train = args.train_prompts if args.train_prompts is not None else (16 if args.quick else 192)
-    n_held = args.heldout_prompts if args.heldout_prompts is not None else (8 if args.quick else 24)
+    n_train, n_held = prompt_counts(args.quick, args.train_prompts, args.heldout_prompts)
     out = pathlib.Path(args.out).expanduser() if args.out else cache_dir() / "models" / (
         DRAFT_DIRNAME + ("-quick" if args.quick else ""))
 
@@ -1571,17 +1596,9 @@ def main(argv: list[str] | None = None) -> int:
     t_load = time.monotonic() - t0
     teacher, tok = loaded.model, loaded.tokenizer
     t = time.monotonic()
-    corpus = collect_offline_text(int(cfg.text_tokens * 4.5), seed=cfg.seed, progress=cfg.progress,
-                                  n_passages=max(8, n_train // 3), n_heldout_passages=max(4, n_held // 3))
-    prompts = build_prompts(n_train, cfg.seed, corpus)
-    heldout = build_prompts(n_held, cfg.seed, corpus, heldout=True)
+    corpus, prompts, heldout = prompt_sets(cfg, n_train, n_held)
     t_corpus = time.monotonic() - t
-    logger.info("offline corpus: %d documents (%d chars) from %d files; %d train / %d held-out prompts",
-                len(corpus.texts), sum(map(len, corpus.texts)), corpus.n_files, len(prompts), len(heldout))
-    cache = None
-    if not args.no_teacher_cache:
-        key = _teacher_key(teacher, tok, cfg, corpus.texts, prompts, heldout)
-        cache = cache_dir() / "distill" / f"teacher-{key}.pt"
+    cache = None if args.no_teacher_cache else teacher_cache_path(teacher, tok, cfg, corpus, prompts, heldout)
     early = [int(x) for x in args.early_exit.split(",") if x.strip()]
     _, report = run_distillation(
         teacher, tok, texts=corpus.texts, prompts=prompts, heldout_prompts=heldout, cfg=cfg, out_dir=out,

@@ -114,7 +114,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         store = open_datastore(datastore, vocab_from, fingerprint, vocab)
         proposer = NgramProposer(vocab_size=vocab, datastore=store)
         info = common_pb2.ModelInfo(
-            model_name="ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")"),
+            model_name=_ngram_name(store),
             vocab_size=0 if tok is None else vocab, tokenizer_fingerprint=fingerprint, strategy="ngram",
         )
         return proposer, info
@@ -138,17 +138,20 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         from draft_service.proposers.ngram import NgramProposer
 
         store = open_datastore(datastore, vocab_from or model, loaded.fingerprint, loaded.vocab_size)
-        info.model_name = "ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")") + f"+{info.model_name}"
+        info.model_name = f"{_ngram_name(store)}+{info.model_name}"
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
                               hybrid_model_max_len), info
     return proposer, info
 
 
+def _ngram_name(store) -> str:
+    return "ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")")
+
+
 def open_datastore(choice: str, target: str | None, fingerprint: str, vocab_size: int):
     """--datastore: none; a path; or auto: the table `specdec datastore` wrote for the target, if there is one.
     A table from another tokenizer would only propose wrong tokens: refused (auto: ignored with a warning)."""
-    from draft_service.datastore_build import datastore_path
-    from draft_service.proposers.datastore import NgramDatastore
+    from draft_service.proposers.datastore import NgramDatastore, datastore_path
 
     if choice in ("", "none"):
         return None

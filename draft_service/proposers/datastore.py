@@ -20,6 +20,15 @@ import numpy as np
 FORMAT = 1
 
 
+def datastore_path(target_spec: str) -> pathlib.Path:
+    """Where `specdec datastore` writes the table for a target and where `--datastore auto` looks for it."""
+    from specdec.models import models_dir
+
+    name = target_spec.strip().rstrip("/").replace("\\", "/")
+    slug = name.split("/")[-1] if os.path.sep in name or name.startswith((".", "/", "~")) else name.replace("/", "--")
+    return models_dir() / f"{slug.lower()}-datastore.npz"
+
+
 class NgramDatastore:
     """n-gram (n = 1..max_n) -> the token that followed it most often, looked up longest n-gram first."""
 
@@ -50,9 +59,10 @@ class NgramDatastore:
                     best.append((count, gram, token))
             best.sort(key=lambda e: -e[0])
             tables[n] = {gram: token for _, gram, token in best[:max_entries_per_n]}
-        meta = dict(meta, format=FORMAT, max_n=max_n, min_count=min_count, sequences=n_seq, tokens=n_tok,
-                    entries=sum(len(t) for t in tables.values()))
-        return cls(tables, meta)
+        store = cls(tables, dict(meta, format=FORMAT, max_n=max_n, min_count=min_count, sequences=n_seq,
+                                 tokens=n_tok))
+        store.meta["entries"] = store.entries
+        return store
 
     def next_token(self, context: list[int]) -> int | None:
         for n in range(min(self.max_n, len(context)), 0, -1):
