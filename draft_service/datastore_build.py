@@ -24,24 +24,35 @@ from draft_service.proposers.ngram import NgramProposer
 logger = logging.getLogger("specdec.datastore")
 
 
-def simulate_tokens_per_step(proposer: NgramProposer, held: list[tuple[list[int], int]], draft_len: int) -> dict:
-    """Greedy speculative decoding along each held-out reply: draft, accept the matching prefix, add the target's
-    token. Tokens per verify step is what the target saves; it ignores the (flat) cost of longer verify blocks."""
+def simulate_tokens_per_step(proposer: NgramProposer, held: list[tuple[list[int], int]], draft_len: int,
+                             tree_budget: int = 0) -> dict:
+    """Greedy speculative decoding along each held-out reply: draft (a chain of draft_len, or a tree of
+    tree_budget nodes at most draft_len deep), accept the longest matching path, add the target's token. Tokens
+    per verify step is what the target saves; it ignores the cost of longer verify blocks (flat up to ~6 tokens
+    on this CPU, see docs/benchmark.md)."""
     steps = accepted = proposed = generated = 0
     for ids, start in held:
         n = start + 1  # tokens committed: the prompt
         generated += len(ids) - n
         while n < len(ids):
-            draft = proposer.lookup(ids[:n], draft_len)
-            k = 0
-            while k < len(draft) and n + k < len(ids) and draft[k] == ids[n + k]:
+            if tree_budget:
+                tokens, parents = proposer.lookup_tree(ids[:n], tree_budget, draft_len)
+            else:
+                tokens = proposer.lookup(ids[:n], draft_len)
+                parents = list(range(-1, len(tokens) - 1))
+            k, node = 0, -1
+            while n + k < len(ids):
+                node = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == ids[n + k]), None)
+                if node is None:
+                    break
                 k += 1
             steps += 1
             accepted += k
-            proposed += len(draft)
+            proposed += len(tokens)
             n += k + 1
-    return {"draft_len": draft_len, "tokens_per_step": generated / max(steps, 1),
-            "acceptance_rate": accepted / max(proposed, 1), "drafted_per_step": proposed / max(steps, 1)}
+    return {"draft_len": draft_len, **({"tree_budget": tree_budget} if tree_budget else {}),
+            "tokens_per_step": generated / max(steps, 1), "acceptance_rate": accepted / max(proposed, 1),
+            "drafted_per_step": proposed / max(steps, 1)}
 
 
 def replies(data: Any) -> list[tuple[list[int], int]]:
@@ -65,7 +76,7 @@ def overlapping_benchmark(prompts: list[str]) -> list[str]:
 
 
 def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, vocab_size: int, target: str,
-                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8),
+                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8), tree_budgets=(4, 6, 8),
                             exclude_prompts: list[list[int]] = ()) -> tuple[NgramDatastore, dict]:
     """exclude_prompts: prompt ids whose replies are left out (see overlapping_benchmark)."""
     excluded = {tuple(p) for p in exclude_prompts}
@@ -79,7 +90,9 @@ def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, v
               "heldout_replies": len(held_replies),
               "heldout_tokens": sum(len(ids) - s - 1 for ids, s in held_replies),
               "prompt_lookup": [simulate_tokens_per_step(plain, held_replies, g) for g in draft_lens],
-              "prompt_lookup_and_datastore": [simulate_tokens_per_step(with_store, held_replies, g) for g in draft_lens]}
+              "prompt_lookup_and_datastore": [simulate_tokens_per_step(with_store, held_replies, g) for g in draft_lens],
+              "tree_prompt_lookup_and_datastore": [simulate_tokens_per_step(with_store, held_replies, b, tree_budget=b)
+                                                   for b in tree_budgets]}
     store.meta["heldout"] = report
     return store, report
 

@@ -25,12 +25,12 @@ ALPHA = 1e-3
 PARAMS = dict(temperature=1.0, top_k=6, top_p=0.95)
 
 
-def exact_target_distribution(params: SamplingParams) -> dict:
+def exact_target_distribution(params: SamplingParams, prompt: list[int] = PROMPT) -> dict:
     m = model(TARGET).model
     seqs = list(itertools.product(range(8), repeat=N_TOKENS))
-    ids = torch.tensor([PROMPT + list(s) for s in seqs])
+    ids = torch.tensor([prompt + list(s) for s in seqs])
     with torch.no_grad():
-        logits = m(input_ids=ids).logits[:, len(PROMPT) - 1 : -1, :]
+        logits = m(input_ids=ids).logits[:, len(prompt) - 1 : -1, :]
     probs = sampling.warp_probs(logits, params)  # [512, 3, 8]
     out = {}
     for i, s in enumerate(seqs):
@@ -42,12 +42,12 @@ def exact_target_distribution(params: SamplingParams) -> dict:
     return out
 
 
-def draw(stack, n: int, draft_len: int = 2, extra_tokens: int = 0):
+def draw(stack, n: int, draft_len: int = 2, extra_tokens: int = 0, prompt: list[int] = PROMPT):
     """n samples of the first N_TOKENS tokens (generating `extra_tokens` more lets later steps run)."""
     samples, proposed, accepted = [], 0, 0
     draw.pipeline_hits = 0
     for seed in range(n):
-        r = stack.client.generate(PROMPT, max_new_tokens=N_TOKENS + extra_tokens, seed=seed, ignore_eos=True,
+        r = stack.client.generate(prompt, max_new_tokens=N_TOKENS + extra_tokens, seed=seed, ignore_eos=True,
                                   max_draft_len=draft_len, **PARAMS)
         samples.append(tuple(r.token_ids[:N_TOKENS]))
         proposed += r.stats["draft_tokens_proposed"]

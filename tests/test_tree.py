@@ -126,7 +126,7 @@ def tree_cfg(budget, **kw):
 
 
 @pytest.fixture(scope="module", params=[DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, "ngram"],
-                ids=["early-layer", "same-model", "unrelated", "ngram-chain-fallback"])
+                ids=["early-layer", "same-model", "unrelated", "ngram"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param, cfg=tree_cfg(4))
     yield s

@@ -50,3 +50,39 @@ def test_broken_tree_verifier_fails_the_test(tree_stack, expected, monkeypatch):
     samples, _ = draw(tree_stack, N_SAMPLES // 2)
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken tree verifier passed the distribution test (p={p_value:.3f})"
+
+
+# The last two tokens (1, 2) occurred three times, followed by 3, 4 and 5: the n-gram drafter's tree has three
+# deterministic siblings at the root (and one-hot q, so a rejected sibling leaves the residual max(p - 0, ...)
+# renormalised without it).
+NGRAM_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
+
+
+def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch):
+    from orchestrator.generation import LoopConfig
+    from specdec.sampling import SamplingParams
+    from tests.test_sampling_distribution_e2e import PARAMS, exact_target_distribution
+
+    real = sampling.verify_tree
+    seen = {"trees": 0, "branching": 0, "later_sibling": 0}
+
+    def spy(target_logits, tokens, parents, draft_probs, params, generator):
+        assert draft_probs is None, "n-gram drafts are deterministic: no q goes on the wire"
+        res = real(target_logits, tokens, parents, draft_probs, params, generator)
+        kids = [[i for i, p in enumerate(parents) if p == node] for node in [-1, *res.path]]
+        seen["trees"] += 1
+        seen["branching"] += len(kids[0]) > 1
+        seen["later_sibling"] += any(node != sibs[0] for node, sibs in zip(res.path, kids))
+        return res
+
+    monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
+    s = start_stack(redis_url, target=TARGET, draft="ngram", cfg=LoopConfig(tree_budget=6, draft_timeout_floor_ms=5000))
+    try:
+        samples, acceptance = draw(s, N_SAMPLES, prompt=NGRAM_PROMPT)
+    finally:
+        s.stop()
+    assert seen["branching"] > N_SAMPLES // 2, "the n-gram drafter must branch where the context's matches disagree"
+    assert seen["later_sibling"] > N_SAMPLES // 20, "second siblings must get accepted for this to test anything"
+    assert 0.05 < acceptance < 0.95
+    _, p_value = chi_square_test(samples, exact_target_distribution(SamplingParams(**PARAMS), NGRAM_PROMPT))
+    assert p_value > ALPHA, f"n-gram tree samples differ from the target distribution (p={p_value:.2e})"

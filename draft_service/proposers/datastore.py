@@ -83,6 +83,19 @@ class NgramDatastore:
             ctx = ctx[1:] + [token] if len(ctx) >= self.max_n else ctx + [token]
         return out
 
+    def candidates(self, context: list[int], max_len: int) -> list[list[int]]:
+        """One chain per n-gram length that has an entry (longest first): where the 4-gram and the 1-gram
+        disagree on the next token, both are offered, as branches of a tree draft."""
+        out: list[list[int]] = []
+        if max_len <= 0:
+            return out
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            token = self.tables[n].get(tuple(context[len(context) - n:]))
+            if token is not None:
+                out.append([token] + self.continuation(list(context[len(context) - self.max_n:]) + [token],
+                                                       max_len - 1))
+        return out
+
     @property
     def entries(self) -> int:
         return sum(len(t) for t in self.tables.values())
