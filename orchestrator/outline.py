@@ -177,8 +177,9 @@ def _draft_strategy(servicer, view: dict) -> dict:
     if not reps:
         drafter = "none: no draft service configured; every step is a target-only Decode"
     elif kind == "ngram":
-        drafter = ("n-gram prompt lookup (model-free): continues the most recent earlier occurrence of the "
-                   "context's last 1-3 tokens; deterministic, so q is one-hot")
+        drafter = ("n-gram prompt lookup (model-free): every earlier occurrence of the context's last 1-3 tokens "
+                   "votes for what followed it (plus the n-gram datastore, if any); the best-voted path is the chain, "
+                   "the best-voted nodes the tree; deterministic, so q is one-hot")
     elif kind == "model":
         drafter = (f"draft model {info.model_name}: a small causal LM sharing the target's tokenizer proposes k "
                    "tokens autoregressively from its own per-session KV cache")
