@@ -13,26 +13,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 
 from draft_service.proposers.base import Proposal, Proposer
 from draft_service.proposers.datastore import NgramDatastore
+from draft_service.proposers.tree import TreeProposal
 from specdec.kv_cache import CacheMiss
 from specdec.sampling import SamplingParams
 
 MATCH_BASE = 8.0  # an n-token context match weighs MATCH_BASE**n
 DATASTORE_WEIGHT = 0.5  # below one 1-token context match: the context is the better evidence
 MAX_MATCHES_PER_N = 64  # the most recent occurrences of each n-gram that vote; bounds the work per step
-
-
-@dataclass
-class NgramTree:
-    tokens: list[int]
-    parents: list[int]  # topological: a node's parent comes before it, -1 = the root (see specdec/tree.py)
-    probs_fp16: None = None  # deterministic drafts: q is one-hot
-    cached_len: int = 0
 
 
 class NgramProposer(Proposer):
@@ -76,13 +68,13 @@ class NgramProposer(Proposer):
         tokens = self._sync(session_id, prefix_len, delta)
         return Proposal(self.lookup(tokens, max_len), None, len(tokens))
 
-    def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step) -> NgramTree:
+    def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step) -> TreeProposal:
         """Tree speculation: the `shape.budget` best-scoring continuations (shape's branching knobs are the
         model drafter's; here the votes decide where the tree branches)."""
         tokens = self._sync(session_id, prefix_len, delta)
         depth = min(shape.max_depth or shape.budget, shape.budget)
         draft, parents = self.lookup_tree(tokens, shape.budget, depth)
-        return NgramTree(draft, parents, None, len(tokens))
+        return TreeProposal(draft, parents, None, len(tokens))  # q one-hot: no distributions
 
     def lookup(self, tokens: list[int], max_len: int) -> list[int]:
         """The best-scoring path of at most max_len tokens."""
