@@ -37,7 +37,9 @@ def markdown(res: dict) -> str:
               f"thread per model service and in the benchmark process",
               f"- machine: {m['cpus']} CPUs, load average {_f(m.get('load_average_begin', [None])[0])} at start / "
               f"{_f(m.get('load_average_end', [None])[0])} at end; torch {m['torch']}, transformers {m['transformers']}; "
-              f"total {_f(m.get('total_s'), 0)} s",
+              f"total {_f(m.get('total_s'), 0)} s"
+              + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in m["phases_s"].items()) + ")"
+                 if m.get("phases_s") else ""),
               "- optional service flags: " + ", ".join(f"`{k}` {'yes' if v else 'no'}"
                                                         for k, v in res["flags_available"].items()
                                                         if isinstance(v, bool)), ""]

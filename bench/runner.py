@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 3,4)")
     p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also run pipelined at each fixed draft length (default: on; off in quick mode)")
+    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run tree speculation at the largest draft length's node budget (default: on; off in "
+                        "quick mode)")
+    p.add_argument("--hf-target-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run HF generate without a draft, the in-process baseline (default: on; off in quick "
+                        "mode)")
     p.add_argument("--sessions", default="1,2,4,8", help="concurrent sessions for the throughput sweep")
     p.add_argument("--session-jobs", type=int, default=0,
                    help="at least this many generations per session count and round (default 0: the least common "
@@ -125,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.sessions = sorted({int(x) for x in a.sessions.split(",") if x.strip()})
     if a.pipelined_sweep is None:
         a.pipelined_sweep = not q
+    # Quick mode keeps what the targets need (under 3 minutes here); the full run adds the rest.
+    a.tree = (not q) if a.tree is None else a.tree
+    a.hf_target_only = (not q) if a.hf_target_only is None else a.hf_target_only
     return a
 
 
@@ -168,9 +177,9 @@ def orchestrator_specs(args, flags: dict) -> dict:
         specs["orch-pipe-on"] = ("target", modes["on"])
     if "auto" in modes:
         specs["orch-pipe-auto"] = ("target", modes["auto"])
-    # Tree speculation at the largest draft length's node budget (equal budget to that chain).
-    g = max(args.draft_lens)
-    specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
+    if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
+        g = max(args.draft_lens)
+        specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
     return specs
 
 
@@ -223,7 +232,9 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
 
     cfgs = [sd("specdec-target-only", "specdec-target-only", "specdec target-only (speculation off)",
                "orch-sequential", False, None),
-            Config("hf-target-only", "hf-target-only", "HF generate, target only (in-process)", _hf_run(target))]
+            Config("hf-target-only", "hf-target-only", "HF generate, target only (in-process)",
+                   _hf_run(target) if args.hf_target_only else None, available=args.hf_target_only,
+                   reason="" if args.hf_target_only else "skipped (--no-hf-target-only; quick mode's default)")]
     if draft is not None:
         cfgs.append(Config("hf-assisted", "hf-assisted", "HF generate(assistant_model=draft) (in-process)",
                            _hf_run(target, assistant=draft), settings=hf_settings("hf-assisted", draft.model)))
@@ -700,6 +711,14 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     t_begin = time.time()
     load_begin = os.getloadavg()
+    phases: dict[str, float] = {}  # where the run's wall time went, to keep --quick under 3 minutes
+    mark = [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(phases.get(name, 0.0) + now - mark[0], 1)
+        mark[0] = now
+
     flags = available_flags()
     strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                                                   draft_model=args.draft_model))
@@ -712,6 +731,7 @@ def run(args: argparse.Namespace) -> dict:
     tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
     prompts: list[Prompt] = select(args.num_prompts)
     ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
+    phase("load_models")
 
     services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
@@ -726,11 +746,14 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         services.start()
         startup_s = time.perf_counter() - t0
+        phase("service_startup")
         cfgs = build_configs(args, services, target, draft, flags)
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
         micro = microbench(target, draft, first, args.draft_lens)
+        phase("microbench")
         overheads = measure_overheads(services, first, k=max(args.draft_lens))
+        phase("overheads")
 
         batched = "target-batched" in services.addresses
         if not batched:
@@ -753,6 +776,7 @@ def run(args: argparse.Namespace) -> dict:
             progress.set_postfix_str(f"warm-up {cfg.name}")
             _run_one(cfg, first, args.warmup_tokens, prompts[0].name, -1)
             progress.update(1)
+        phase("warmup")
         for r in range(args.rounds):
             for pi, prompt in enumerate(prompts):
                 k = (r * len(prompts) + pi) % len(live)
@@ -766,6 +790,7 @@ def run(args: argparse.Namespace) -> dict:
                         cfg.samples.append(s)
                     progress.update(1)
 
+        phase("single_session_configs")
         # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
         # speculative one) with its orchestrator flags and draft length.
         spec = [c for c in cfgs if c.speculative and c.available and c.samples]
@@ -812,6 +837,7 @@ def run(args: argparse.Namespace) -> dict:
             finally:
                 for c in clients:
                     c.close()
+        phase("sessions_sweeps")
     finally:
         if progress is not None:
             progress.close()
@@ -824,7 +850,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res["machine"].update(load_average_begin=load_begin, load_average_end=os.getloadavg(),
-                          service_startup_s=startup_s, total_s=time.time() - t_begin)
+                          service_startup_s=startup_s, total_s=time.time() - t_begin, phases_s=phases)
     res["targets"] = evaluate_targets(res)
     return res
 

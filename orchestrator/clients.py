@@ -7,6 +7,7 @@ the whole context once, which rebuilds the service's cache transparently.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,10 +17,19 @@ from specdec.grpc_util import make_channel
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
+log = logging.getLogger("specdec.orchestrator")
+
 
 def _delta(committed: list[int], pos: int) -> common_pb2.TokenDelta:
     pos = min(pos, len(committed))
     return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:])
+
+
+def _log_release_failure(future, address: str, session_id: str) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        code = getattr(future.exception(), "code", lambda: None)()
+        log.info("release failed", extra={"replica": address, "session_id": session_id,
+                                           "code": code.name if code else "?"})
 
 
 def _is_cache_miss(e: grpc.RpcError) -> bool:
@@ -103,6 +113,12 @@ class DraftClient:
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 
+    def release_async(self, session_id: str, timeout: float = 1.0):
+        """Free the session's cache without waiting: a lost release only costs cache space until LRU eviction."""
+        future = self.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        future.add_done_callback(lambda f: _log_release_failure(f, self.address, session_id))
+        return future
+
     def close(self) -> None:
         self.channel.close()
 
@@ -155,6 +171,12 @@ class TargetClient:
 
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
+
+    def release_async(self, session_id: str, timeout: float = 1.0):
+        """Free the session's cache without waiting: a lost release only costs cache space until LRU eviction."""
+        future = self.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        future.add_done_callback(lambda f: _log_release_failure(f, self.address, session_id))
+        return future
 
     def close(self) -> None:
         self.channel.close()

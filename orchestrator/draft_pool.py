@@ -140,11 +140,9 @@ class DraftPool:
         return next((r for r in self.replicas if r.address == address), None)
 
     def release(self, session_id: str) -> None:
+        """Fire-and-forget on every replica (a session may have moved); nobody waits on a dead one."""
         for r in self.replicas:
-            try:
-                r.client.release(session_id, timeout=0.5)
-            except grpc.RpcError:
-                pass
+            r.client.release_async(session_id, timeout=0.5)
 
     def close(self) -> None:
         self._stop.set()

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from typing import Hashable, Mapping, Sequence
 
 from scipy import stats as _scipy_stats
+
+def draws(n: int) -> int:
+    """Sample count for a distribution test, scaled by env SPECDEC_STAT_SCALE (default 1): the default suite
+    keeps its time; `SPECDEC_STAT_SCALE=4 bash scripts/test.sh tests/test_*distribution_e2e.py` buys power."""
+    return max(1, round(n * float(os.environ.get("SPECDEC_STAT_SCALE", "1"))))
+
 
 _OTHER = object()  # the merged bin; a private sentinel so it can never clash with a real outcome
 

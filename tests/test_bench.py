@@ -58,7 +58,8 @@ def bench_run(tmp_path_factory):
     with contextlib.redirect_stdout(buf):
         rc = main(["--quick", "--json", "--no-progress", "--target-model", TARGET, "--draft-model", DRAFT,
                    "--draft-strategy", "model", "--num-prompts", "2", "--max-new-tokens", "10", "--warmup-tokens", "4",
-                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--out-dir", str(out)])
+                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--tree", "--hf-target-only",
+                   "--out-dir", str(out)])
     assert rc == 0
     return json.loads(buf.getvalue()), out
 
@@ -76,6 +77,9 @@ def test_bench_json_keys_and_targets(bench_run):
     assert {"specdec-target-only", "hf-target-only", "hf-assisted", "hf-prompt-lookup", "specdec-seq-g2",
             "specdec-seq-g3", "specdec-pipe-adaptive"} <= names
     assert res["draft"]["strategy"] == "model"
+    phases = res["machine"]["phases_s"]  # where the time went (quick mode must stay under 3 minutes)
+    assert {"service_startup", "warmup", "single_session_configs", "sessions_sweeps"} <= set(phases)
+    assert sum(phases.values()) <= res["machine"]["total_s"] + 1
     assert res["settings"]["max_new_tokens"] == 10 and len(res["settings"]["prompts"]) == 2
 
 

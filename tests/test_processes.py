@@ -51,19 +51,27 @@ def test_orchestrator_restart_mid_generation_loses_and_duplicates_nothing(stack)
 
 
 def test_specdec_run_json(tmp_path):
-    def run(mode):
-        cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "model",
-               "--draft-model", DRAFT_EARLY, "--prompt", "t1 t5 t9 t12 t5 t9", "--no-chat", "--max-new-tokens", "24",
-               "--ignore-eos", "--mode", mode, "--json", "--log-dir", str(tmp_path / mode)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    """`specdec run` starts the whole stack; its speculative output equals transformers' greedy generate."""
+    import torch
 
-    spec, base = run("speculative"), run("target-only")
+    from tests.harness import model
+
+    prompt, n = "t1 t5 t9 t12 t5 t9", 24
+    cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "model",
+           "--draft-model", DRAFT_EARLY, "--prompt", prompt, "--no-chat", "--max-new-tokens", str(n),
+           "--ignore-eos", "--mode", "speculative", "--json", "--log-dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    spec = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("text", "token_ids", "acceptance_rate", "mean_accepted_length", "verify_steps", "fallback_steps",
                 "tokens_per_second"):
         assert key in spec
-    assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) == 24
-    assert spec["text"] == base["text"] and spec["text"].startswith("t")
-    assert spec["verify_steps"] > 0 and base["verify_steps"] == 0
+    # Reference without a second stack: the target model greedy in this process, the same tokenizer.
+    loaded = model(TARGET)
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=True)
+    ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    assert spec["token_ids"] == ref and len(ref) == n
+    assert spec["text"] == loaded.tokenizer.decode(ref, skip_special_tokens=True) and spec["text"].startswith("t")
+    assert spec["verify_steps"] > 0 and spec["draft_strategy"] == "model"
     assert spec["tokens_per_second"] > 0

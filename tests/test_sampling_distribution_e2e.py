@@ -14,13 +14,18 @@ import torch
 from specdec import sampling
 from specdec.sampling import SamplingParams
 from tests.harness import model, start_stack
-from tests.stats import chi_square_test
+from tests.stats import chi_square_test, draws
 
 TARGET = "tiny:vocab=8,layers=2,hidden=32,seed=3,std=0.3"
 DRAFT = "tiny:vocab=8,layers=1,hidden=32,seed=3,std=0.3"  # the target's first layer
 PROMPT = [1, 2, 3]
 N_TOKENS = 3
-N_SAMPLES = 2500
+# The plain path gets the most samples; the paths built on it (pipelined, hybrid, tree) fewer; a broken verifier
+# fails with far fewer (accept-all: p = 4e-58 at 300 draws; a tree verifier without the residual update:
+# p = 3e-9 at 600, measured once). SPECDEC_STAT_SCALE multiplies them all for a heavier run.
+N_SAMPLES = draws(2500)
+N_PATH_SAMPLES = draws(1500)
+N_BROKEN_SAMPLES = draws(400)
 ALPHA = 1e-3
 PARAMS = dict(temperature=1.0, top_k=6, top_p=0.95)
 
@@ -81,10 +86,10 @@ def test_pipelined_speculative_sampling_matches_target_distribution(redis_url, e
 
     s = start_stack(redis_url, target=TARGET, draft=DRAFT, cfg=LoopConfig(pipeline="on", draft_timeout_floor_ms=5000))
     try:
-        samples, acceptance = draw(s, N_SAMPLES, draft_len=1, extra_tokens=1)
+        samples, acceptance = draw(s, N_PATH_SAMPLES, draft_len=1, extra_tokens=1)
     finally:
         s.stop()
-    assert draw.pipeline_hits > N_SAMPLES // 10, "prefetched blocks must actually be used for this to test anything"
+    assert draw.pipeline_hits > N_PATH_SAMPLES // 10, "prefetched blocks must actually be used for this to test anything"
     assert 0.05 < acceptance < 0.95, "the draft must be accepted sometimes and rejected sometimes"
     _, p_value = chi_square_test(samples, expected)
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
@@ -105,7 +110,7 @@ def test_broken_verifier_fails_the_test(stack, expected, monkeypatch):
         return sampling.VerifyResult(len(draft_tokens), int(sampling.sample(probs, generator)))
 
     monkeypatch.setattr("target_service.engine.sampling.verify", accept_all)
-    samples, _ = draw(stack, N_SAMPLES // 2)
+    samples, _ = draw(stack, N_BROKEN_SAMPLES)
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken verifier passed the distribution test (p={p_value:.3f})"
 
@@ -114,12 +119,12 @@ def test_hybrid_drafter_sampling_matches_target_distribution(redis_url, expected
     """Prompt-lookup steps (one-hot q) and model steps (the draft's q) mixed in one generation."""
     s = start_stack(redis_url, target=TARGET, draft="hybrid:" + DRAFT)
     try:
-        samples, acceptance = draw(s, N_SAMPLES, draft_len=2, extra_tokens=1)
+        samples, acceptance = draw(s, N_PATH_SAMPLES, draft_len=2, extra_tokens=1)
         proposer = s.draft_servers[0].servicer.proposer
         used = proposer.ngram_proposals, proposer.model_proposals
     finally:
         s.stop()
-    assert min(used) > N_SAMPLES // 10, f"both kinds of drafts must be used for this to test anything: {used}"
+    assert min(used) > N_PATH_SAMPLES // 10, f"both kinds of drafts must be used for this to test anything: {used}"
     assert 0.05 < acceptance < 0.95
     _, p_value = chi_square_test(samples, expected)
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"

@@ -10,8 +10,8 @@ import pytest
 
 from specdec import sampling
 from tests.harness import start_stack
-from tests.stats import chi_square_test
-from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_SAMPLES, TARGET, draw
+from tests.stats import chi_square_test, draws
+from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_PATH_SAMPLES, TARGET, draw
 from tests.test_sampling_distribution_e2e import expected  # noqa: F401 - fixture
 from tests.test_tree_sampling import broken_no_residual_update
 
@@ -37,9 +37,9 @@ def test_tree_speculative_sampling_matches_target_distribution(tree_stack, expec
         return res
 
     monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
-    samples, acceptance = draw(tree_stack, N_SAMPLES)
+    samples, acceptance = draw(tree_stack, N_PATH_SAMPLES)
     assert 0.05 < acceptance < 0.95, "the tree must be accepted sometimes and rejected sometimes"
-    assert later_sibling[0] > N_SAMPLES // 20, "second siblings must get accepted for this to test anything"
+    assert later_sibling[0] > N_PATH_SAMPLES // 20, "second siblings must get accepted for this to test anything"
     _, p_value = chi_square_test(samples, expected)
     assert p_value > ALPHA, f"tree speculative samples differ from the target distribution (p={p_value:.2e})"
 
@@ -47,7 +47,7 @@ def test_tree_speculative_sampling_matches_target_distribution(tree_stack, expec
 def test_broken_tree_verifier_fails_the_test(tree_stack, expected, monkeypatch):  # noqa: F811
     """Testing every sibling against the original p (no residual update) is biased: the test must catch it."""
     monkeypatch.setattr("target_service.tree.sampling.verify_tree", broken_no_residual_update)
-    samples, _ = draw(tree_stack, N_SAMPLES // 2)
+    samples, _ = draw(tree_stack, draws(600))  # p = 3e-9 at 600 draws, measured once
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken tree verifier passed the distribution test (p={p_value:.3f})"
 
@@ -76,7 +76,7 @@ def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch)
         return res
 
     monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
-    n = N_SAMPLES // 2  # as many as the broken-verifier tests need to reject a biased verifier
+    n = draws(1000)  # more than the broken tree verifier test needs to reject a biased verifier
     s = start_stack(redis_url, target=TARGET, draft="ngram", cfg=LoopConfig(tree_budget=6, draft_timeout_floor_ms=5000))
     try:
         samples, acceptance = draw(s, n, prompt=NGRAM_PROMPT)
