@@ -81,7 +81,7 @@ class Config:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g in 3,4")
+    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g = 4, no tree or HF target-only")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
     p.add_argument("--rounds", type=int, default=None, help="repeats of the interleaved sweep (default 2; quick 1)")
-    p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 3,4)")
+    p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 4)")
     p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also run pipelined at each fixed draft length (default: on; off in quick mode)")
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
     a.num_prompts = a.num_prompts or (4 if q else 12)
     a.rounds = a.rounds or (1 if q else 2)
-    a.draft_lens = [int(x) for x in (a.draft_lens or ("3,4" if q else "2,3,4,6")).split(",") if x.strip()]
+    a.draft_lens = [int(x) for x in (a.draft_lens or ("4" if q else "2,3,4,6")).split(",") if x.strip()]
     a.sessions = sorted({int(x) for x in a.sessions.split(",") if x.strip()})
     if a.pipelined_sweep is None:
         a.pipelined_sweep = not q
@@ -180,7 +180,18 @@ def orchestrator_specs(args, flags: dict) -> dict:
     if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
+    if flags["target --batch-window-ms"]:
+        # The sessions sweep runs the headline (a pipelined configuration when there is one) against the batching
+        # target; its orchestrator starts with the others instead of after the single-session runs.
+        for name in [n for n in specs if n.startswith("orch-pipe-")]:
+            specs[name + "-batched"] = ("target-batched", [*specs[name][1], *sessions_sweep_flags(args, flags)])
     return specs
+
+
+def sessions_sweep_flags(args, flags: dict) -> list[str]:
+    if flags["orchestrator --speculation-max-sessions"] and args.speculation_max_sessions:
+        return ["--speculation-max-sessions", str(args.speculation_max_sessions)]
+    return []
 
 
 def _no_draft_reason(args) -> str:
@@ -722,30 +733,35 @@ def run(args: argparse.Namespace) -> dict:
     flags = available_flags()
     strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                                                   draft_model=args.draft_model))
-    target = load_model(args.target_model, device=args.device, dtype=args.dtype)
-    draft = load_model(args.draft_model, device=args.device, dtype=args.dtype) if strategy in MODEL_STRATEGIES else None
-    if draft is not None:  # the in-process anchors use the same draft as the service, head and all
-        from draft_service.proposers.model import limit_draft_vocab
-
-        limit_draft_vocab(draft, args.draft_vocab)
-    tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
-    prompts: list[Prompt] = select(args.num_prompts)
-    ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
-    phase("load_models")
-
     services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
                              orchestrators=orchestrator_specs(args, flags),
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
                              draft_vocab=args.draft_vocab,
                              log_dir=args.log_dir)
+    t0 = time.perf_counter()
+    services.launch()  # the services load their models while this process loads its own (HF anchors)
+    try:
+        target = load_model(args.target_model, device=args.device, dtype=args.dtype)
+        draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype)
+                 if strategy in MODEL_STRATEGIES else None)
+        if draft is not None:  # the in-process anchors use the same draft as the service, head and all
+            from draft_service.proposers.model import limit_draft_vocab
+
+            limit_draft_vocab(draft, args.draft_vocab)
+        tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
+        prompts: list[Prompt] = select(args.num_prompts)
+        ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
+    except BaseException:
+        services.stop()
+        raise
+    phase("load_models")
     not_measured: dict[str, str] = {}
     progress = None
     session_rows: list[dict] = []
     try:
-        t0 = time.perf_counter()
-        services.start()
-        startup_s = time.perf_counter() - t0
+        services.wait()
+        startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
         phase("service_startup")
         cfgs = build_configs(args, services, target, draft, flags)
         live = [c for c in cfgs if c.available]
@@ -799,11 +815,11 @@ def run(args: argparse.Namespace) -> dict:
         sweeps = []
         if head_cfg is not None:
             if batched:
-                extra = list(head_cfg.orchestrator_extra)
-                if flags["orchestrator --speculation-max-sessions"] and args.speculation_max_sessions:
-                    extra += ["--speculation-max-sessions", str(args.speculation_max_sessions)]
-                services.add_orchestrators({"orch-sessions-batched": ("target-batched", extra)})
-                sweeps.append(("sessions-batched", services.addresses["orch-sessions-batched"], True, "target-batched"))
+                extra = [*head_cfg.orchestrator_extra, *sessions_sweep_flags(args, flags)]
+                twin = f"{head_cfg.orchestrator}-batched"
+                if twin not in services.addresses:  # started already for a pipelined headline
+                    services.add_orchestrators({twin: ("target-batched", extra)})
+                sweeps.append(("sessions-batched", services.addresses[twin], True, "target-batched"))
             if unbatched:
                 sweeps.append(("sessions-unbatched", services.addresses[head_cfg.orchestrator], False, "target"))
         else:

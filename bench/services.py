@@ -8,8 +8,9 @@ their flags and share the target, the draft and Redis, so a configuration switch
   draft length g; ``max_draft_len = 0`` runs the adaptive schedule; ``speculation = off`` is target-only.
 * ``orch-pipe-on`` / ``orch-pipe-auto``: the same plus ``--pipeline on`` / ``auto`` (a switch-style
   ``--pipeline`` works too), when the orchestrator has that flag.
-* ``orch-sessions-batched``: started after the single-session sweep with the headline configuration's
-  flags, pointed at a second target started with ``--batch-window-ms`` (when the target has that flag).
+* ``orch-pipe-on-batched`` / ``orch-pipe-auto-batched``: the pipelined orchestrators' twins for the sessions
+  sweep, pointed at a second target started with ``--batch-window-ms`` (when the target has that flag); a
+  headline without a twin gets one started after the single-session sweep.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class BenchServices:
         for name in specs:
             self.addresses[name] = self.procs[name].wait_ready(timeout)
 
-    def start(self, timeout: float = 600.0) -> "BenchServices":
+    def launch(self) -> "BenchServices":
+        """Start Redis and the model services without waiting (the caller can load its own models meanwhile)."""
         try:
             self.redis = RedisServer(data_dir=str(self.dir / "redis")).start()
             self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common()])
@@ -120,6 +122,14 @@ class BenchServices:
             dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
                                       ["--draft-vocab", str(self.draft_vocab)])
             self._spawn("draft", dargs)
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait(self, timeout: float = 600.0) -> "BenchServices":
+        """Wait for the model services, then start the orchestrators (they need the services' addresses)."""
+        try:
             for name in list(self.procs):
                 self.addresses[name] = self.procs[name].wait_ready(timeout)
             self.add_orchestrators(self.orchestrators, timeout)
@@ -127,6 +137,9 @@ class BenchServices:
         except BaseException:
             self.stop()
             raise
+
+    def start(self, timeout: float = 600.0) -> "BenchServices":
+        return self.launch().wait(timeout)
 
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):

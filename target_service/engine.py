@@ -61,7 +61,8 @@ class VerifyBatcher:
         self.queue: queue.Queue[VerifyJob] = queue.Queue(maxsize=max_queue)
         self.batches = 0
         self.batched_jobs = 0
-        self._last_seen: dict[str, float] = {}  # session -> last submit (batcher thread only; bounded by ACTIVE_S)
+        self._last_seen: dict[str, float] = {}  # session -> last submit (bounded by ACTIVE_S)
+        self._seen_lock = threading.Lock()
         threading.Thread(target=self._loop, name="verify-batcher", daemon=True).start()
 
     def submit(self, job: VerifyJob, timeout: float = 60.0) -> VerifyOutcome:
@@ -75,11 +76,17 @@ class VerifyBatcher:
 
     def _others_active(self, session_id: str, now: float) -> bool:
         """Did another session submit work lately? If not, a lone session should not wait out the window."""
-        self._last_seen[session_id] = now
-        stale = [sid for sid, t in self._last_seen.items() if now - t > self.ACTIVE_S]
-        for sid in stale:
-            del self._last_seen[sid]
-        return len(self._last_seen) > 1
+        with self._seen_lock:
+            self._last_seen[session_id] = now
+            stale = [sid for sid, t in self._last_seen.items() if now - t > self.ACTIVE_S]
+            for sid in stale:
+                del self._last_seen[sid]
+            return len(self._last_seen) > 1
+
+    def forget(self, session_id: str) -> None:
+        """A released (finished) session submits nothing more: the next lone session must not wait for it."""
+        with self._seen_lock:
+            self._last_seen.pop(session_id, None)
 
     def _loop(self) -> None:
         while True:
@@ -92,7 +99,8 @@ class VerifyBatcher:
                     jobs.append(self.queue.get(timeout=max(0.0, remaining)) if remaining > 0 else self.queue.get_nowait())
                 except queue.Empty:
                     break
-                self._last_seen[jobs[-1].session_id] = time.monotonic()
+                with self._seen_lock:
+                    self._last_seen[jobs[-1].session_id] = time.monotonic()
             try:
                 self.engine.verify_many(jobs)
             finally:
@@ -242,4 +250,6 @@ class TargetEngine:
         return out, cached, (time.perf_counter() - t0) * 1e3
 
     def release(self, session_id: str) -> bool:
+        if self.batcher is not None:
+            self.batcher.forget(session_id)
         return self.lm.release(session_id)

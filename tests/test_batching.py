@@ -213,3 +213,21 @@ def test_a_lone_session_does_not_wait_for_the_batch_window():
     t0 = time.monotonic()
     tokens = _decode(engine, "alone", [3, 9, 27], 4, 0.0)[0]
     assert len(tokens) == 4 and time.monotonic() - t0 < 2.0
+
+
+def test_a_released_session_does_not_make_the_next_one_wait():
+    """A session that just finished (released) is not 'active': the next lone session runs at once. Without the
+    release it counts as active for the batcher's ACTIVE_S and the next session waits the window (1 s here)."""
+    import time
+
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
+    _decode(engine, "first", [3, 9, 27], 2, 0.0)
+    engine.release("first")
+    t0 = time.monotonic()
+    assert len(_decode(engine, "second", [3, 9, 27], 2, 0.0)[0]) == 2
+    assert time.monotonic() - t0 < 0.9
+    t0 = time.monotonic()
+    _decode(engine, "third", [3, 9, 27], 1, 0.0)  # "second" was not released: still active, so this one waits
+    assert time.monotonic() - t0 >= 0.9
