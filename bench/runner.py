@@ -900,7 +900,8 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
     head_tps = head["tokens_per_s"] if head else None
     same_policy = None
     if head and head["kind"] == "specdec-pipelined":
-        twin = by.get(head["name"].replace("-pipe-", "-seq-"))
+        # pipelined adaptive (on or auto) vs sequential adaptive; pipelined g=N vs sequential g=N
+        twin = by.get(head["name"].replace("-pipe-auto-", "-seq-").replace("-pipe-", "-seq-"))
         same_policy = analysis.ratio(head_tps, twin.get("tokens_per_s")) if twin and ok(twin) else None
     res = {
         "benchmark": "specdec",

@@ -299,6 +299,10 @@ def _init_instruments() -> None:
         m.create_observable_gauge(
             "specdec.draft.acceptance_rate", callbacks=[_observe_acceptance], unit="1",
             description=f"accepted / proposed draft tokens over the last {_ACCEPT_WINDOW} verify steps of this process")
+        i["batch_rows"] = m.create_histogram(
+            "specdec.target.batch_rows", unit="{session}",
+            description="sessions verified or decoded in one batched target forward (--batch-window-ms)",
+            explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 6, 8, 12, 16])
         # draft service
         i["draft_latency"] = m.create_histogram(
             "specdec.draft.duration", unit="s", description="draft propose time inside the draft service",
@@ -357,6 +361,11 @@ def record_verify(proposed: int, accepted: int, ms: float) -> None:
     _instruments["accepted_tokens"].add(accepted)
     _instruments["verify_latency"].record(ms / 1e3)
     _accept_window.append((proposed, accepted))
+
+
+def record_batch(rows: int) -> None:
+    """One batched target forward over ``rows`` sessions' jobs."""
+    _instrument("batch_rows").record(rows)
 
 
 def record_draft(ms: float) -> None:

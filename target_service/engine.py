@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import sampling
+from specdec import sampling, telemetry
 from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
@@ -50,7 +50,9 @@ class VerifyJob:
 class VerifyBatcher:
     """Collects Verify calls (and the single-token steps of Decode calls) from concurrent sessions for up to
     `window_ms` and runs them as one forward pass, so aggregate throughput grows with concurrency. A call waits
-    at most the window, and not at all while no other session has submitted work in the last ACTIVE_S."""
+    at most the window, not at all while no other session has submitted work in the last ACTIVE_S, and the
+    batch closes early once every such recently active session has a job in it (so a generous window costs
+    nothing when the sessions arrive close together)."""
 
     ACTIVE_S = 1.0  # a session that submitted within this long is expected to submit again soon
 
@@ -74,14 +76,15 @@ class VerifyBatcher:
             raise TimeoutError("verify batch did not complete")
         return job.outcome()
 
-    def _others_active(self, session_id: str, now: float) -> bool:
-        """Did another session submit work lately? If not, a lone session should not wait out the window."""
+    def _active(self, session_id: str, now: float) -> set[str]:
+        """The sessions that submitted work lately (this one included): the batch waits for them, and a lone
+        session does not wait at all."""
         with self._seen_lock:
             self._last_seen[session_id] = now
             stale = [sid for sid, t in self._last_seen.items() if now - t > self.ACTIVE_S]
             for sid in stale:
                 del self._last_seen[sid]
-            return len(self._last_seen) > 1
+            return set(self._last_seen)
 
     def forget(self, session_id: str) -> None:
         """A released (finished) session submits nothing more: the next lone session must not wait for it."""
@@ -92,8 +95,11 @@ class VerifyBatcher:
         while True:
             jobs = [self.queue.get()]
             now = time.monotonic()
-            deadline = now + (self.window_s if self._others_active(jobs[0].session_id, now) else 0.0)
+            waiting_for = self._active(jobs[0].session_id, now) - {jobs[0].session_id}
+            deadline = now + (self.window_s if waiting_for else 0.0)
             while len(jobs) < self.max_batch:
+                if not waiting_for and self.queue.empty():
+                    break  # every recently active session is in: no point waiting out the window
                 remaining = deadline - time.monotonic()
                 try:
                     jobs.append(self.queue.get(timeout=max(0.0, remaining)) if remaining > 0 else self.queue.get_nowait())
@@ -101,6 +107,8 @@ class VerifyBatcher:
                     break
                 with self._seen_lock:
                     self._last_seen[jobs[-1].session_id] = time.monotonic()
+                waiting_for.discard(jobs[-1].session_id)
+            telemetry.record_batch(len(jobs))
             try:
                 self.engine.verify_many(jobs)
             finally:

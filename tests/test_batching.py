@@ -231,3 +231,29 @@ def test_a_released_session_does_not_make_the_next_one_wait():
     t0 = time.monotonic()
     _decode(engine, "third", [3, 9, 27], 1, 0.0)  # "second" was not released: still active, so this one waits
     assert time.monotonic() - t0 >= 0.9
+
+
+def test_the_batch_closes_once_every_active_session_is_in():
+    """Two active sessions decoding together: each batch closes as soon as both have a job in it, instead of
+    waiting out the window (1 s here: two waited-out steps would take over 2 s); both rows share forwards."""
+    import threading
+    import time
+
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
+    results = {}
+
+    def run(sid, ctx):
+        results[sid] = _decode(engine, sid, ctx, 3, 0.0)[0]
+
+    threads = [threading.Thread(target=run, args=(sid, ctx)) for sid, ctx in (("a", [3, 9, 27]), ("b", [4, 8]))]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - t0 < 2.0
+    assert len(results["a"]) == 3 and len(results["b"]) == 3
+    assert engine.batcher.batched_jobs > engine.batcher.batches  # some forwards carried both sessions
+    assert results["a"] == _decode(TargetEngine(model(TARGET), SessionCacheStore()), "a", [3, 9, 27], 3, 0.0)[0]
