@@ -25,6 +25,17 @@ def _delta(committed: list[int], pos: int) -> common_pb2.TokenDelta:
     return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:])
 
 
+def _release_async(stub, address: str, session_id: str, timeout: float):
+    """Free a session's cache without waiting: a lost release only costs cache space until LRU eviction."""
+    try:
+        future = stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+    except ValueError as e:  # the channel was closed (shutting down): nothing left to free
+        log.info("release skipped", extra={"replica": address, "session_id": session_id, "error": str(e)})
+        return None
+    future.add_done_callback(lambda f: _log_release_failure(f, address, session_id))
+    return future
+
+
 def _log_release_failure(future, address: str, session_id: str) -> None:
     if not future.cancelled() and future.exception() is not None:
         code = getattr(future.exception(), "code", lambda: None)()
@@ -114,10 +125,7 @@ class DraftClient:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 
     def release_async(self, session_id: str, timeout: float = 1.0):
-        """Free the session's cache without waiting: a lost release only costs cache space until LRU eviction."""
-        future = self.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
-        future.add_done_callback(lambda f: _log_release_failure(f, self.address, session_id))
-        return future
+        return _release_async(self.stub, self.address, session_id, timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -173,10 +181,7 @@ class TargetClient:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 
     def release_async(self, session_id: str, timeout: float = 1.0):
-        """Free the session's cache without waiting: a lost release only costs cache space until LRU eviction."""
-        future = self.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
-        future.add_done_callback(lambda f: _log_release_failure(f, self.address, session_id))
-        return future
+        return _release_async(self.stub, self.address, session_id, timeout)
 
     def close(self) -> None:
         self.channel.close()
