@@ -114,7 +114,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         store = open_datastore(datastore, vocab_from, fingerprint, vocab)
         proposer = NgramProposer(vocab_size=vocab, datastore=store)
         info = common_pb2.ModelInfo(
-            model_name=_ngram_name(store),
+            model_name=ngram_model_name(store),
             vocab_size=0 if tok is None else vocab, tokenizer_fingerprint=fingerprint, strategy="ngram",
         )
         return proposer, info
@@ -138,13 +138,13 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         from draft_service.proposers.ngram import NgramProposer
 
         store = open_datastore(datastore, vocab_from or model, loaded.fingerprint, loaded.vocab_size)
-        info.model_name = f"{_ngram_name(store)}+{info.model_name}"
+        info.model_name = f"{ngram_model_name(store)}+{info.model_name}"
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
                               hybrid_model_max_len), info
     return proposer, info
 
 
-def _ngram_name(store) -> str:
+def ngram_model_name(store) -> str:
     return "ngram(prompt-lookup" + (f"+datastore[{store.entries}])" if store else ")")
 
 

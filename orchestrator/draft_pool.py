@@ -91,6 +91,21 @@ class DraftReplica:
         return ok
 
 
+class LocalDraftReplica(DraftReplica):
+    """An in-process drafter (orchestrator/local_draft.py): healthy for as long as the orchestrator runs."""
+
+    def __init__(self, client, breaker: CircuitBreaker):
+        self.address = client.address
+        self.client = client
+        self.breaker = breaker
+        self.health_stub = None
+        self.info = client.info()
+        self.refused = None
+
+    def check_health(self, timeout: float) -> bool:
+        return True
+
+
 def _rank(session_id: str, address: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "big")
 
@@ -98,11 +113,22 @@ def _rank(session_id: str, address: str) -> int:
 class DraftPool:
     def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
                  health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
-                 breaker_failures: int = 2):
+                 breaker_failures: int = 2, local_client=None):
+        """``local_client(address)``: builds the client of an in-process drafter (addresses ``local:...``)."""
+        from orchestrator.local_draft import is_local
+
         if not addresses:
             raise ValueError("a draft pool needs at least one address")
-        self.replicas = [DraftReplica(a, CircuitBreaker(breaker_open_s, breaker_max_open_s, breaker_failures))
-                         for a in addresses]
+
+        def replica(address: str) -> DraftReplica:
+            breaker = CircuitBreaker(breaker_open_s, breaker_max_open_s, breaker_failures)
+            if not is_local(address):
+                return DraftReplica(address, breaker)
+            if local_client is None:
+                raise ValueError(f"{address!r}: this draft pool cannot build in-process drafters")
+            return LocalDraftReplica(local_client(address), breaker)
+
+        self.replicas = [replica(a) for a in addresses]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.on_info = on_info  # called with (replica, ModelInfo) the first time a replica answers GetInfo

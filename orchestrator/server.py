@@ -267,19 +267,24 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
                    session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
                    auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
-                   breaker_failures: int = 2) -> OrchestratorServicer:
-    """Connect to the target (required) and the draft replicas (optional: unreachable ones join later)."""
+                   breaker_failures: int = 2, local_datastore: str = "auto") -> OrchestratorServicer:
+    """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
+    A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
+    from orchestrator.local_draft import build_local_client
     from specdec.models import load_tokenizer
 
     target = TargetClient(target_addr)
     target_info = target.info(timeout=startup_timeout_s)
+    tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
     if isinstance(draft_addrs, str):
         draft_addrs = [a.strip() for a in draft_addrs.split(",")]
     draft_addrs = [a for a in (draft_addrs or []) if a]
     pool = None
     if draft_addrs:
         pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
-                         on_info=lambda replica, info: check_compatible(target_info, info))
+                         on_info=lambda replica, info: check_compatible(target_info, info),
+                         local_client=lambda address: build_local_client(
+                             address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore))
         for replica in pool.replicas:
             try:
                 replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
@@ -288,7 +293,6 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                             extra={"replica": replica.address, "code": e.code().name})
             else:
                 check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
-    tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
     store = open_store(store_url, ttl_s=session_ttl_s)
     try:
         store.ping()
@@ -310,7 +314,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50050")
     p.add_argument("--target", default="127.0.0.1:50052", help="target service address")
     p.add_argument("--draft", default="127.0.0.1:50051",
-                   help="draft replica addresses, comma-separated ('' = no speculation)")
+                   help="draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
+                        "the n-gram drafter inside this process (no Propose round trip)")
+    p.add_argument("--local-datastore", default="auto",
+                   help="n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` "
+                        "built one), none, or a path")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="session store URL, or 'memory'")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the target's model)")
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
@@ -373,7 +381,8 @@ def serve(args: argparse.Namespace) -> None:
             tokens = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
-                              breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures)
+                              breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
+                              local_datastore=args.local_datastore)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)

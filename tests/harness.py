@@ -8,6 +8,7 @@ from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import build_server as build_draft_server
 from orchestrator.generation import LoopConfig
+from orchestrator.local_draft import build_local_client, is_local
 from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
 from orchestrator.clients import TargetClient
 from orchestrator.draft_pool import DraftPool
@@ -96,12 +97,16 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
     engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions), batch_window_ms=batch_window_ms)
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
     specs = [] if draft is None else [draft] if isinstance(draft, str) else list(draft)
-    dservers = [start_draft(spec, sessions=draft_sessions, vocab_size=tl.vocab_size) for spec in specs]
+    # "local:ngram" drafts inside the orchestrator: no server, the pool builds it.
+    dservers = [start_draft(spec, sessions=draft_sessions, vocab_size=tl.vocab_size) for spec in specs
+                if not is_local(spec)]
     target_client = TargetClient(tsrv.address)
     target_info = target_client.info()
     pool = None
-    if dservers:
-        pool = DraftPool([d.address for d in dservers])
+    if specs:
+        remote = iter(d.address for d in dservers)
+        pool = DraftPool([spec if is_local(spec) else next(remote) for spec in specs],
+                         local_client=lambda a: build_local_client(a, tl.tokenizer, tl.name, tl.vocab_size, "none"))
         for replica in pool.replicas:
             check_compatible(target_info, replica.client.info())
     # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.

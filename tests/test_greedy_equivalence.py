@@ -16,8 +16,8 @@ def hf_greedy(prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID],
-                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid"])
+@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID, "local:ngram"],
+                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid", "local-ngram"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param)
     yield s
@@ -79,8 +79,8 @@ def test_eos_stops_generation_identically(redis_url):
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
-@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID],
-                         ids=["ngram", "early-layer", "same-model", "hybrid"])
+@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID, "local:ngram"],
+                         ids=["ngram", "early-layer", "same-model", "hybrid", "local-ngram"])
 def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
     from orchestrator.generation import LoopConfig
 

@@ -45,12 +45,15 @@ def _generate(stack, n: int = 10, **kw):
 
 
 def _wait_for_trace(exporter, timeout: float = 5.0):
-    """Finished spans once the client's and the server's Generate spans have ended."""
+    """Finished spans once the client's and the server's Generate spans have ended and every span's parent has
+    too (the cache releases run after the stream ends, so their client spans may finish a moment later)."""
     deadline = time.monotonic() + timeout
     while True:
         got = exporter.get_finished_spans()
         kinds = {s.kind for s in got if s.name == GEN_SERVER}
-        if {SpanKind.CLIENT, SpanKind.SERVER} <= kinds or time.monotonic() > deadline:
+        ids = {s.context.span_id for s in got}
+        settled = all(s.parent is None or s.parent.span_id in ids for s in got)
+        if ({SpanKind.CLIENT, SpanKind.SERVER} <= kinds and settled) or time.monotonic() > deadline:
             return list(got)
         time.sleep(0.02)
 
