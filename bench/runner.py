@@ -81,7 +81,7 @@ class Config:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g = 4, no tree or HF target-only")
+    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g = 4, no tree, HF target-only or --pipeline on")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
                    help="also run tree speculation at the largest draft length's node budget (default: on; off in "
                         "quick mode)")
+    p.add_argument("--pipe-on", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run --pipeline on (prefetch every block; default: on; off in quick mode, where "
+                        "--pipeline auto stands for pipelining)")
     p.add_argument("--hf-target-only", action=argparse.BooleanOptionalAction, default=None,
                    help="also run HF generate without a draft, the in-process baseline (default: on; off in quick "
                         "mode)")
@@ -133,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.pipelined_sweep = not q
     # Quick mode keeps what the targets need (under 3 minutes here); the full run adds the rest.
     a.tree = (not q) if a.tree is None else a.tree
+    a.pipe_on = (not q) if a.pipe_on is None else a.pipe_on
     a.hf_target_only = (not q) if a.hf_target_only is None else a.hf_target_only
     return a
 
@@ -169,21 +173,23 @@ def _hf_run(target, assistant=None, prompt_lookup: int | None = None) -> Callabl
     return run
 
 
-def orchestrator_specs(args, flags: dict) -> dict:
+def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
     """The orchestrators to start: name -> (target process, extra flags)."""
     specs = {"orch-sequential": ("target", [])}
     modes = flags["pipeline_modes"]
-    if "on" in modes:
+    if "on" in modes and args.pipe_on:
         specs["orch-pipe-on"] = ("target", modes["on"])
     if "auto" in modes:
         specs["orch-pipe-auto"] = ("target", modes["auto"])
+        if strategy == "ngram" and flags["orchestrator --draft local:ngram"]:
+            specs["orch-pipe-auto-local"] = ("target", [*modes["auto"], "--draft", "local:ngram"])
     if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
     if flags["target --batch-window-ms"]:
         # The sessions sweep runs the headline (a pipelined configuration when there is one) against the batching
         # target; its orchestrator starts with the others instead of after the single-session runs.
-        for name in [n for n in specs if n.startswith("orch-pipe-")]:
+        for name in [n for n in specs if n.startswith("orch-pipe-auto")]:
             specs[name + "-batched"] = ("target-batched", [*specs[name][1], *sessions_sweep_flags(args, flags)])
     return specs
 
@@ -265,10 +271,16 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
                    True, None, available=adaptive, reason=no_adapt))
     has_pipe = flags["orchestrator --pipeline"]
     cfgs.append(sd("specdec-pipe-adaptive", "specdec-pipelined", "specdec pipelined (on), adaptive g", "orch-pipe-on",
-                   True, None, pipelined=True, available=has_pipe and adaptive, reason=no_pipe if not has_pipe else no_adapt))
+                   True, None, pipelined=True, available=has_pipe and adaptive and args.pipe_on,
+                   reason=no_pipe if not has_pipe else no_adapt if not adaptive else
+                   "skipped (--no-pipe-on; quick mode's default)"))
     if "orch-pipe-auto" in specs:
         cfgs.append(sd("specdec-pipe-auto-adaptive", "specdec-pipelined", "specdec pipelined (auto), adaptive g",
                        "orch-pipe-auto", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    if "orch-pipe-auto-local" in specs:
+        cfgs.append(sd("specdec-pipe-auto-local-adaptive", "specdec-pipelined",
+                       "specdec pipelined (auto), adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
+                       "orch-pipe-auto-local", True, None, pipelined=True, available=adaptive, reason=no_adapt))
     for orch in (o for o in specs if o.startswith("orch-tree-n")):
         g = int(orch.removeprefix("orch-tree-n"))
         cfgs.append(sd(f"specdec-tree-n{g}", "specdec-tree",
@@ -735,7 +747,7 @@ def run(args: argparse.Namespace) -> dict:
                                                   draft_model=args.draft_model))
     services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
-                             orchestrators=orchestrator_specs(args, flags),
+                             orchestrators=orchestrator_specs(args, flags, strategy),
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
                              draft_vocab=args.draft_vocab,
                              log_dir=args.log_dir)

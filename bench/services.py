@@ -8,9 +8,11 @@ their flags and share the target, the draft and Redis, so a configuration switch
   draft length g; ``max_draft_len = 0`` runs the adaptive schedule; ``speculation = off`` is target-only.
 * ``orch-pipe-on`` / ``orch-pipe-auto``: the same plus ``--pipeline on`` / ``auto`` (a switch-style
   ``--pipeline`` works too), when the orchestrator has that flag.
-* ``orch-pipe-on-batched`` / ``orch-pipe-auto-batched``: the pipelined orchestrators' twins for the sessions
-  sweep, pointed at a second target started with ``--batch-window-ms`` (when the target has that flag); a
-  headline without a twin gets one started after the single-session sweep.
+* ``orch-pipe-auto-local``: ``--pipeline auto`` with ``--draft local:ngram`` (the n-gram drafter inside the
+  orchestrator, no Propose round trip), when the services draft with n-gram.
+* ``orch-pipe-auto-batched`` / ``orch-pipe-auto-local-batched``: twins for the sessions sweep, pointed at a
+  second target started with ``--batch-window-ms`` (when the target has that flag); a headline without a twin
+  gets one started after the single-session sweep.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ def available_flags() -> dict:
     ``pipeline_modes``: the orchestrator arguments that turn pipelining on: ``["--pipeline", "on"]`` and
     ``["--pipeline", "auto"]`` for a ``--pipeline {off,on,auto}`` option, ``["--pipeline"]`` for a switch."""
     out = {"orchestrator --pipeline": False, "orchestrator --adaptive-draft-len": False,
-           "target --batch-window-ms": False, "orchestrator --speculation-max-sessions": False, "pipeline_modes": {}}
+           "target --batch-window-ms": False, "orchestrator --speculation-max-sessions": False,
+           "orchestrator --draft local:ngram": False, "pipeline_modes": {}}
     try:
         from orchestrator.server import add_arguments as orch_args
 
         actions = _parser(orch_args)._option_string_actions
         out["orchestrator --adaptive-draft-len"] = "--adaptive-draft-len" in actions
         out["orchestrator --speculation-max-sessions"] = "--speculation-max-sessions" in actions
+        out["orchestrator --draft local:ngram"] = "--local-datastore" in actions
         a = actions.get("--pipeline")
         if a is not None:
             out["orchestrator --pipeline"] = True

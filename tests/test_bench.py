@@ -58,7 +58,7 @@ def bench_run(tmp_path_factory):
     with contextlib.redirect_stdout(buf):
         rc = main(["--quick", "--json", "--no-progress", "--target-model", TARGET, "--draft-model", DRAFT,
                    "--draft-strategy", "model", "--num-prompts", "2", "--max-new-tokens", "10", "--warmup-tokens", "4",
-                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--tree", "--hf-target-only",
+                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--tree", "--hf-target-only", "--pipe-on",
                    "--out-dir", str(out)])
     assert rc == 0
     return json.loads(buf.getvalue()), out
@@ -160,3 +160,21 @@ def test_tree_configuration_is_benchmarked_against_the_chain(bench_run):
     assert tree["output_matches_target_only"] == 1.0
     for key in ("tokens_per_s", "mean_accepted_length"):
         assert key in tree and key in chain
+
+
+def test_orchestrators_for_an_ngram_drafter():
+    """With the n-gram drafter the bench also runs it inside the orchestrator (--draft local:ngram); the auto
+    orchestrators get batched twins for the sessions sweep; quick mode leaves out --pipeline on."""
+    from bench.runner import orchestrator_specs, parse_args
+    from bench.services import available_flags
+
+    flags = available_flags()
+    assert flags["orchestrator --draft local:ngram"] and flags["pipeline_modes"]
+    quick = orchestrator_specs(parse_args(["--quick"]), flags, "ngram")
+    assert set(quick) == {"orch-sequential", "orch-pipe-auto", "orch-pipe-auto-local", "orch-pipe-auto-batched",
+                          "orch-pipe-auto-local-batched"}
+    target, extra = quick["orch-pipe-auto-local-batched"]
+    assert target == "target-batched" and extra[-2:] == ["--speculation-max-sessions", "4"]
+    assert extra[extra.index("--draft") + 1] == "local:ngram"
+    full = orchestrator_specs(parse_args([]), flags, "model")
+    assert "orch-pipe-on" in full and "orch-pipe-auto-local" not in full and "orch-tree-n6" in full
