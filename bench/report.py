@@ -135,7 +135,10 @@ def markdown(res: dict) -> str:
               f"{_f(ov.get('draft_propose_rpc_overhead_ms'), 2)} ms); Redis per-step commit {_f(ov.get('redis_commit_ms'), 2)} ms",
               f"- so a speculative step pays about {_f(ov.get('per_step_system_overhead_ms'), 1)} ms of RPC + Redis "
               f"overhead against a target step of {_f(mb['target_step_ms'], 1)} ms "
-              f"({_f(100 * (ov.get('per_step_system_overhead_ms') or 0) / mb['target_step_ms'], 1)}%)", ""]
+              f"({_f(100 * (ov.get('per_step_system_overhead_ms') or 0) / mb['target_step_ms'], 1)}%); with the "
+              f"drafter in the orchestrator (`--draft local:ngram`: no Propose round trip) "
+              f"{_f(ov.get('per_step_system_overhead_local_draft_ms'), 1)} ms "
+              f"({_f(100 * (ov.get('per_step_system_overhead_local_draft_ms') or 0) / mb['target_step_ms'], 1)}%)", ""]
     lines += ["| configuration | client ms/step | target verify ms/step | draft ms/step | RPC + orchestrator overhead "
               "ms/step | store + stream ms/step |", "|---|---|---|---|---|---|"]
     for c in res["configs"]:

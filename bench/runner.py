@@ -443,6 +443,8 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     out["redis_commit_ms"] = med(rtimes)
     out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
                                           + out["redis_commit_ms"])
+    # --draft local:ngram drafts inside the orchestrator: no Propose round trip
+    out["per_step_system_overhead_local_draft_ms"] = out["target_verify_rpc_overhead_ms"] + out["redis_commit_ms"]
     out["note"] = (f"medians; Verify with k={k} drafts and Propose of k={k} tokens ({model_reps} calls each), GetInfo "
                    f"and Redis commit ({reps} each); *_rpc_overhead = client round trip - the model time the service "
                    "reports; per_step_system_overhead = Verify + Propose overheads + one Redis commit (the orchestrator's "
