@@ -90,7 +90,8 @@ class ServiceProcess:
 @dataclass
 class StackConfig:
     target_model: str = "smollm2"
-    draft_strategy: str = "auto"  # auto: the distilled draft model if cached, else n-gram prompt lookup
+    draft_strategy: str = "auto"  # auto: the distilled draft model if cached, else n-gram prompt lookup;
+    # local-ngram: the n-gram drafter inside the orchestrator (no draft process)
     draft_model: str = "smollm2-draft"
     draft_replicas: int = 1
     draft_len: int = 4
@@ -107,6 +108,7 @@ class StackConfig:
 
 
 MODEL_STRATEGIES = ("model", "hybrid")  # draft strategies that load a draft model
+LOCAL_NGRAM = "local-ngram"  # the orchestrator drafts in process (`--draft local:ngram`)
 
 
 def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:
@@ -173,7 +175,7 @@ class LocalStack:
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
                                                     *cfg.target_args], self.log_dir).start()
-            for i in range(cfg.draft_replicas):
+            for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i)]
                 dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
@@ -190,6 +192,8 @@ class LocalStack:
                            timeout: float = 120.0) -> str:
         target_addr = target_addr or self.target.address
         draft_addrs = draft_addrs if draft_addrs is not None else [d.address for d in self.drafts]
+        if self.draft_strategy == LOCAL_NGRAM:
+            draft_addrs = ["local:ngram"]
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,

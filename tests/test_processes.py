@@ -51,14 +51,15 @@ def test_orchestrator_restart_mid_generation_loses_and_duplicates_nothing(stack)
 
 
 def test_specdec_run_json(tmp_path):
-    """`specdec run` starts the whole stack; its speculative output equals transformers' greedy generate."""
+    """`specdec run` starts the whole stack (here drafting inside the orchestrator; the stack above runs a draft
+    model process); its speculative output equals transformers' greedy generate."""
     import torch
 
     from tests.harness import model
 
     prompt, n = "t1 t5 t9 t12 t5 t9", 24
-    cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "model",
-           "--draft-model", DRAFT_EARLY, "--prompt", prompt, "--no-chat", "--max-new-tokens", str(n),
+    cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "local-ngram",
+           "--prompt", prompt, "--no-chat", "--max-new-tokens", str(n),
            "--ignore-eos", "--mode", "speculative", "--json", "--log-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -73,5 +74,5 @@ def test_specdec_run_json(tmp_path):
                                 pad_token_id=0)[0, len(ids):].tolist()
     assert spec["token_ids"] == ref and len(ref) == n
     assert spec["text"] == loaded.tokenizer.decode(ref, skip_special_tokens=True) and spec["text"].startswith("t")
-    assert spec["verify_steps"] > 0 and spec["draft_strategy"] == "model"
+    assert spec["verify_steps"] > 0 and spec["draft_strategy"] == "local-ngram"
     assert spec["tokens_per_second"] > 0
