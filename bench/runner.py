@@ -183,6 +183,8 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
         specs["orch-pipe-auto"] = ("target", modes["auto"])
         if strategy == "ngram" and flags["orchestrator --draft local:ngram"]:
             specs["orch-pipe-auto-local"] = ("target", [*modes["auto"], "--draft", "local:ngram"])
+            if not args.quick:  # its sequential twin (same draft-length policy), full mode only
+                specs["orch-local"] = ("target", ["--draft", "local:ngram"])
     if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
@@ -277,6 +279,10 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     if "orch-pipe-auto" in specs:
         cfgs.append(sd("specdec-pipe-auto-adaptive", "specdec-pipelined", "specdec pipelined (auto), adaptive g",
                        "orch-pipe-auto", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    if "orch-local" in specs:
+        cfgs.append(sd("specdec-seq-local-adaptive", "specdec-sequential",
+                       "specdec sequential, adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
+                       "orch-local", True, None, available=adaptive, reason=no_adapt))
     if "orch-pipe-auto-local" in specs:
         cfgs.append(sd("specdec-pipe-auto-local-adaptive", "specdec-pipelined",
                        "specdec pipelined (auto), adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",

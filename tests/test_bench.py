@@ -178,3 +178,5 @@ def test_orchestrators_for_an_ngram_drafter():
     assert extra[extra.index("--draft") + 1] == "local:ngram"
     full = orchestrator_specs(parse_args([]), flags, "model")
     assert "orch-pipe-on" in full and "orch-pipe-auto-local" not in full and "orch-tree-n6" in full
+    full_ngram = orchestrator_specs(parse_args([]), flags, "ngram")
+    assert full_ngram["orch-local"] == ("target", ["--draft", "local:ngram"])  # the local headline's twin
