@@ -102,22 +102,10 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
                    hybrid_model_max_len: int = 2, draft_vocab: int = 0,
                    datastore: str = "none") -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
-    from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
+    from specdec.models import load_model, load_tokenizer
 
     if strategy == "ngram":
-        from draft_service.proposers.ngram import NgramProposer
-
-        # A model-free drafter still answers to the target's tokenizer, for the start-up compatibility check.
-        tok = load_tokenizer(vocab_from) if vocab_from else None
-        vocab = len(tok) if tok is not None else 2**31
-        fingerprint = "" if tok is None else tokenizer_fingerprint(tok)
-        store = open_datastore(datastore, vocab_from, fingerprint, vocab)
-        proposer = NgramProposer(vocab_size=vocab, datastore=store)
-        info = common_pb2.ModelInfo(
-            model_name=ngram_model_name(store),
-            vocab_size=0 if tok is None else vocab, tokenizer_fingerprint=fingerprint, strategy="ngram",
-        )
-        return proposer, info
+        return build_ngram_proposer(load_tokenizer(vocab_from) if vocab_from else None, vocab_from, datastore)
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
     from specdec.stack import MODEL_STRATEGIES
 
@@ -142,6 +130,22 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
                               hybrid_model_max_len), info
     return proposer, info
+
+
+def build_ngram_proposer(tokenizer, target: str | None, datastore: str,
+                         vocab_size: int | None = None) -> tuple[Proposer, common_pb2.ModelInfo]:
+    """The n-gram drafter and its ModelInfo. A model-free drafter still answers to the target's tokenizer, for the
+    start-up compatibility check; ``vocab_size`` defaults to the tokenizer's (the orchestrator's in-process
+    drafter passes the target's)."""
+    from draft_service.proposers.ngram import NgramProposer
+    from specdec.models import tokenizer_fingerprint
+
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 2**31)
+    fingerprint = "" if tokenizer is None else tokenizer_fingerprint(tokenizer)
+    store = open_datastore(datastore, target, fingerprint, vocab)
+    info = common_pb2.ModelInfo(model_name=ngram_model_name(store), vocab_size=0 if tokenizer is None else vocab,
+                                tokenizer_fingerprint=fingerprint, strategy="ngram")
+    return NgramProposer(vocab_size=vocab, datastore=store), info
 
 
 def ngram_model_name(store) -> str:

@@ -73,11 +73,11 @@ class CircuitBreaker:
 
 
 class DraftReplica:
-    def __init__(self, address: str, breaker: CircuitBreaker):
+    def __init__(self, address: str, breaker: CircuitBreaker, client: DraftClient | None = None):
         self.address = address
-        self.client = DraftClient(address)
+        self.client = client or DraftClient(address)
         self.breaker = breaker
-        self.health_stub = health_pb2_grpc.HealthStub(self.client.channel)
+        self.health_stub = None if self.client.channel is None else health_pb2_grpc.HealthStub(self.client.channel)
         self.info = None
         self.refused: str | None = None  # set when the replica turned out incompatible; never used then
 
@@ -95,12 +95,8 @@ class LocalDraftReplica(DraftReplica):
     """An in-process drafter (orchestrator/local_draft.py): healthy for as long as the orchestrator runs."""
 
     def __init__(self, client, breaker: CircuitBreaker):
-        self.address = client.address
-        self.client = client
-        self.breaker = breaker
-        self.health_stub = None
+        super().__init__(client.address, breaker, client)
         self.info = client.info()
-        self.refused = None
 
     def check_health(self, timeout: float) -> bool:
         return True

@@ -90,19 +90,12 @@ def build_local_client(address: str, tokenizer, target_name: str, vocab_size: in
                        datastore: str = "auto") -> LocalDraftClient:
     """`local:ngram`: the n-gram drafter for the target's tokenizer, with the target's datastore when one is cached
     (`specdec datastore`; ``datastore``: auto, none or a path, as the draft service's --datastore)."""
-    from draft_service.proposers.ngram import NgramProposer
-    from draft_service.server import DraftServicer, ngram_model_name, open_datastore
-    from specdec.models import tokenizer_fingerprint
-    from specdec.v1 import common_pb2
+    from draft_service.server import DraftServicer, build_ngram_proposer
 
     strategy = address[len(LOCAL_PREFIX):]
     if strategy not in LOCAL_STRATEGIES:
         raise ValueError(f"unknown in-process drafter {address!r}: only "
                          f"{', '.join(LOCAL_PREFIX + s for s in LOCAL_STRATEGIES)} (model drafts run as draft services)")
-    fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
-    store = open_datastore(datastore, target_name, fingerprint, vocab_size)
-    proposer = NgramProposer(vocab_size=vocab_size, datastore=store)
-    info = common_pb2.ModelInfo(model_name=ngram_model_name(store), vocab_size=vocab_size,
-                                tokenizer_fingerprint=fingerprint, strategy="ngram")
-    log.info("in-process n-gram drafter", extra={"replica": address, "datastore": store is not None})
+    proposer, info = build_ngram_proposer(tokenizer, target_name, datastore, vocab_size)
+    log.info("in-process n-gram drafter", extra={"replica": address, "datastore": proposer.datastore is not None})
     return LocalDraftClient(address, DraftServicer(proposer, info))
