@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-target-only", action=argparse.BooleanOptionalAction, default=None,
                    help="also run HF generate without a draft, the in-process baseline (default: on; off in quick "
                         "mode)")
+    p.add_argument("--heuristic", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the adaptive draft length with transformers' heuristic schedule "
+                        "(--draft-len-policy heuristic) next to the goodput policy (default: on; off in quick mode)")
     p.add_argument("--sessions", default="1,2,4,8", help="concurrent sessions for the throughput sweep")
     p.add_argument("--session-jobs", type=int, default=0,
                    help="at least this many generations per session count and round (default 0: the least common "
@@ -138,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.tree = (not q) if a.tree is None else a.tree
     a.pipe_on = (not q) if a.pipe_on is None else a.pipe_on
     a.hf_target_only = (not q) if a.hf_target_only is None else a.hf_target_only
+    a.heuristic = (not q) if a.heuristic is None else a.heuristic
     return a
 
 
@@ -185,6 +189,8 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
             specs["orch-pipe-auto-local"] = ("target", [*modes["auto"], "--draft", "local:ngram"])
             if not args.quick:  # its sequential twin (same draft-length policy), full mode only
                 specs["orch-local"] = ("target", ["--draft", "local:ngram"])
+    if args.heuristic and flags["orchestrator --draft-len-policy"]:
+        specs["orch-heuristic"] = ("target", ["--draft-len-policy", "heuristic"])
     if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
@@ -271,6 +277,10 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     adaptive = flags["orchestrator --adaptive-draft-len"]
     cfgs.append(sd("specdec-seq-adaptive", "specdec-sequential", "specdec sequential, adaptive g", "orch-sequential",
                    True, None, available=adaptive, reason=no_adapt))
+    if "orch-heuristic" in specs:
+        cfgs.append(sd("specdec-seq-heuristic", "specdec-sequential",
+                       "specdec sequential, adaptive g by transformers' heuristic (+2 / -1)", "orch-heuristic",
+                       True, None, available=adaptive, reason=no_adapt))
     has_pipe = flags["orchestrator --pipeline"]
     cfgs.append(sd("specdec-pipe-adaptive", "specdec-pipelined", "specdec pipelined (on), adaptive g", "orch-pipe-on",
                    True, None, pipelined=True, available=has_pipe and adaptive and args.pipe_on,

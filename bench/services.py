@@ -10,6 +10,8 @@ their flags and share the target, the draft and Redis, so a configuration switch
   ``--pipeline`` works too), when the orchestrator has that flag.
 * ``orch-pipe-auto-local``: ``--pipeline auto`` with ``--draft local:ngram`` (the n-gram drafter inside the
   orchestrator, no Propose round trip), when the services draft with n-gram.
+* ``orch-heuristic``: ``orch-sequential`` with ``--draft-len-policy heuristic`` (transformers' +2 / -1 schedule
+  instead of the goodput policy), full mode only.
 * ``orch-pipe-auto-batched`` / ``orch-pipe-auto-local-batched``: twins for the sessions sweep, pointed at a
   second target started with ``--batch-window-ms`` (when the target has that flag); a headline without a twin
   gets one started after the single-session sweep.
@@ -42,7 +44,8 @@ def available_flags() -> dict:
     ``["--pipeline", "auto"]`` for a ``--pipeline {off,on,auto}`` option, ``["--pipeline"]`` for a switch."""
     out = {"orchestrator --pipeline": False, "orchestrator --adaptive-draft-len": False,
            "target --batch-window-ms": False, "orchestrator --speculation-max-sessions": False,
-           "orchestrator --draft local:ngram": False, "pipeline_modes": {}}
+           "orchestrator --draft local:ngram": False, "orchestrator --draft-len-policy": False,
+           "pipeline_modes": {}}
     try:
         from orchestrator.server import add_arguments as orch_args
 
@@ -50,6 +53,7 @@ def available_flags() -> dict:
         out["orchestrator --adaptive-draft-len"] = "--adaptive-draft-len" in actions
         out["orchestrator --speculation-max-sessions"] = "--speculation-max-sessions" in actions
         out["orchestrator --draft local:ngram"] = "--local-datastore" in actions
+        out["orchestrator --draft-len-policy"] = "--draft-len-policy" in actions
         a = actions.get("--pipeline")
         if a is not None:
             out["orchestrator --pipeline"] = True

@@ -18,6 +18,7 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
+from orchestrator.draft_length import AcceptancePrior, AdaptiveLength, TargetCost, make_draft_length
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
@@ -34,7 +35,7 @@ FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
-            "pipeline_hits", "load_shed_steps")
+            "pipeline_hits", "load_shed_steps", "speculation_paused_steps")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 
 
@@ -49,7 +50,8 @@ class GenerationError(Exception):
 class LoopConfig:
     default_draft_len: int = 4
     max_draft_len: int = 16
-    adaptive_draft_len: bool = False   # per-session heuristic: grow on full acceptance, shrink on rejection
+    adaptive_draft_len: bool = False   # per-session draft length (see orchestrator/draft_length.py)
+    draft_len_policy: str = "goodput"  # adaptive: goodput (measured costs) | heuristic (transformers' +2/-1)
     pipeline: str = "off"              # off | on | auto (prefetch when the measured saving beats its cost)
     pipeline_min_gain_ms: float = 1.0  # auto: what a prefetch must save on average (about one extra RPC's cost)
     speculation_max_sessions: int = 0  # above this many generating sessions, decode target-only (0 = no limit)
@@ -107,21 +109,6 @@ class StepTimer:
         self.ms = ms if self.ms == 0 else 0.8 * self.ms + 0.2 * ms
 
 
-class DraftLength:
-    """Draft length per session. Fixed, or the heuristic transformers uses for assisted generation:
-    +2 after a fully accepted block, -1 after a rejection."""
-
-    def __init__(self, start: int, max_len: int, adaptive: bool):
-        self.k = max(1, min(start, max_len))
-        self.max_len = max_len
-        self.adaptive = adaptive
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if not self.adaptive or proposed == 0:
-            return
-        self.k = min(self.max_len, self.k + 2) if accepted == proposed else max(1, self.k - 1)
-
-
 def _valid_distributions(msgs, vocab_size: int) -> bool:
     """The same checks the target applies (wire.decode_distribution): a draft is never trusted blindly."""
     try:
@@ -145,6 +132,8 @@ class Generation:
     window: AcceptanceWindow | None = None
     target_step: StepTimer = field(default_factory=StepTimer)
     active_sessions: Callable[[], int] | None = None  # generations running in this orchestrator (load switch)
+    target_cost: TargetCost | None = None  # the target's measured step costs (goodput draft length)
+    acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
 
     def __post_init__(self):
         p = self.rec.params
@@ -159,8 +148,10 @@ class Generation:
         self.rec.stats.setdefault("draft_failures_by_kind", {})
         start = int(p["max_draft_len"]) or self.cfg.default_draft_len
         # A per-request max_draft_len is a fixed length; the server default may adapt.
-        self.draft_len = DraftLength(start, self.cfg.max_draft_len,
-                                     self.cfg.adaptive_draft_len and not int(p["max_draft_len"]))
+        self.draft_len: AdaptiveLength = make_draft_length(
+            start, self.cfg.max_draft_len,
+            self.cfg.adaptive_draft_len and not int(p["max_draft_len"]) and not self.cfg.tree_budget,  # chains only
+            self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior)
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
@@ -222,7 +213,9 @@ class Generation:
             return None, True
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
-        self.propose_time.observe((time.perf_counter() - t0) * 1e3)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.propose_time.observe(wall_ms)
+        self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -264,10 +257,13 @@ class Generation:
     def _verify(self, reply) -> list[int]:
         rec, stats = self.rec, self.rec.stats
         ctx = len(rec.committed)
+        t0 = time.perf_counter()
         with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
             v = self._target_call(lambda t: self.target.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
                 self.seed, rec.step, t, wait_for_ready=True), "verify")
+        if self.target_cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
+            self.target_cost.observe(len(reply.tokens) + 1, v.verify_ms, (time.perf_counter() - t0) * 1e3)
         rec.target_pos = v.cached_len
         rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
         stats["verify_steps"] += 1
@@ -283,10 +279,14 @@ class Generation:
 
     def _decode(self, n: int, degraded: bool) -> list[int]:
         rec, stats = self.rec, self.rec.stats
+        plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
+        t0 = time.perf_counter()
         with telemetry.span("orchestrator.decode", session_id=rec.session_id, n=n, degraded=degraded):
             d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
+        if self.target_cost is not None and plain and d.tokens:
+            self.target_cost.observe(1, d.decode_ms, (time.perf_counter() - t0) * 1e3, calls=len(d.tokens))
         rec.target_pos = d.cached_len
         stats["decode_steps"] += 1
         stats["decode_ms"] += d.decode_ms
@@ -306,6 +306,9 @@ class Generation:
         """One step: (newly committed tokens before stop handling, whether it ran degraded)."""
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 or not self._wants_draft():
+            if self.draft_len.k == 0 and self._wants_draft():  # no draft length pays: target-only for now
+                self.rec.stats["speculation_paused_steps"] += 1
+                self.draft_len.step_taken()
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         if self._overloaded():
             self.rec.stats["load_shed_steps"] += 1

@@ -192,9 +192,17 @@ def _draft_strategy(servicer, view: dict) -> dict:
         drafter += f" [currently {status}: steps fall back to target-only decoding]"
     default_k, max_k = _cfg(cfg, "default_draft_len", 4), _cfg(cfg, "max_draft_len", 16)
     adaptive = bool(_cfg(cfg, "adaptive_draft_len", False))
-    if adaptive:
-        policy = (f"adaptive per session: starts at {default_k}, +2 after a fully accepted block, -1 after a "
-                  f"rejection, within 1..{max_k}; a request's max_draft_len fixes k instead")
+    goodput = adaptive and _cfg(cfg, "draft_len_policy", "heuristic") == "goodput" and \
+        getattr(servicer, "target_cost", None) is not None
+    if goodput:
+        policy = (f"adaptive per session (goodput): each step drafts the k in 0..{max_k} that maximises expected "
+                  "tokens per ms, (1 - a^(k+1)) / (1 - a) over the target's measured forward cost for k + 1 tokens "
+                  "(its start-up profile, scaled by the load it reports) plus the measured draft cost; a = the "
+                  "session's recent per-token acceptance; k = 0 (target-only) when no k pays, probed again every "
+                  "few steps; a request's max_draft_len fixes k instead")
+    elif adaptive:
+        policy = (f"adaptive per session (heuristic): starts at {default_k}, +2 after a fully accepted block, -1 "
+                  f"after a rejection, within 1..{max_k}; a request's max_draft_len fixes k instead")
     else:
         policy = f"fixed: k = the request's max_draft_len or the default {default_k}, at most {max_k}"
     policy += ("; never more than the tokens left minus one; a drafter may return fewer (a short n-gram "

@@ -13,6 +13,7 @@ import threading
 import grpc
 
 from orchestrator.clients import TargetClient
+from orchestrator.draft_length import AcceptancePrior, TargetCost
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
@@ -66,6 +67,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.vocab_size = target_info.vocab_size
         self.window = AcceptanceWindow()
         self.target_step = StepTimer()
+        self.target_cost = TargetCost(list(target_info.forward_ms)) if len(target_info.forward_ms) >= 2 else None
+        self.acceptance_prior = AcceptancePrior()
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
@@ -184,7 +187,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.store.create(rec)
             context.add_callback(cancel.set)  # client cancelled or disconnected
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
-                             cancel, self.window, self.target_step, self._active_count)
+                             cancel, self.window, self.target_step, self._active_count, self.target_cost,
+                             self.acceptance_prior)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
@@ -324,6 +328,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
     p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
     p.add_argument("--adaptive-draft-len", action="store_true", help="adapt the draft length per session")
+    p.add_argument("--draft-len-policy", choices=["goodput", "heuristic"], default="goodput",
+                   help="with --adaptive-draft-len: goodput = the k that maximises expected tokens per ms from the "
+                        "session's acceptance and the measured target/draft costs (0 = target-only when no k pays; "
+                        "needs the target's forward profile, else heuristic); heuristic = transformers' +2/-1 schedule")
     p.add_argument("--draft-min-confidence", type=float, default=0.0,
                    help="the draft stops a block early when its top probability is below this (0 = never)")
     p.add_argument("--pipeline", choices=["off", "on", "auto"], default="off",
@@ -366,7 +374,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
-                     adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
+                     adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
+                     pipeline=args.pipeline,
                      pipeline_min_gain_ms=args.pipeline_min_gain_ms,
                      speculation_max_sessions=args.speculation_max_sessions,
                      draft_min_confidence=args.draft_min_confidence,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import sampling, telemetry
-from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
+from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 
@@ -126,10 +126,41 @@ class TargetEngine:
         self.lm = CachedLM(loaded, self.store)
         self.max_draft_len = max_draft_len
         self.batcher = VerifyBatcher(self, batch_window_ms, max_batch) if batch_window_ms > 0 else None
+        self.forward_ms: list[float] = []  # profile_forward_ms's result, when the service measured it
 
     @property
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
+
+    def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 2) -> list[float]:
+        """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts)
+        after `context` tokens: what a longer draft costs the target. The fastest of `reps` runs (noise on a
+        shared machine only adds time), sizes above 6 measured sparsely and interpolated, and made
+        non-decreasing (more tokens never cost less)."""
+        grid = sorted({n for n in range(1, max_tokens + 1) if n <= 6 or n % 3 == 2 or n == max_tokens})
+        sess = SessionKV("\x00profile")
+        vocab = self.loaded.vocab_size
+        self.lm.extend(sess, [(7 * i + 1) % vocab for i in range(context)], keep=1)
+        best = {n: float("inf") for n in grid}
+        for rep in range(reps + 1):  # repetition 0 warms up
+            for n in grid[rep % len(grid):] + grid[: rep % len(grid)]:  # rotated: drift hits every size alike
+                t0 = time.perf_counter()
+                self.lm.extend(sess, [(3 * j + 2) % vocab for j in range(n)], keep=n)
+                dt = (time.perf_counter() - t0) * 1e3
+                self.lm.crop(sess, context)
+                if rep:
+                    best[n] = min(best[n], dt)
+        out, prev = [], 0.0
+        for n in range(1, max_tokens + 1):
+            if n in best:
+                v = best[n]
+            else:  # between two measured sizes
+                lo = max(g for g in grid if g < n)
+                hi = min(g for g in grid if g > n)
+                v = best[lo] + (best[hi] - best[lo]) * (n - lo) / (hi - lo)
+            prev = max(prev, v)
+            out.append(round(prev, 3))
+        return out
 
     def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
         sess = self.store.get(session_id)

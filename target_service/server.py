@@ -31,6 +31,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             device=str(loaded.device),
             dtype=str(loaded.dtype).replace("torch.", ""),
             strategy="target",
+            forward_ms=engine.forward_ms,
         )
         component = {"specdec.component": "target"}
         telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
@@ -146,6 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--profile-forward", choices=["on", "off"], default="on",
+                   help="measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and "
+                        "report it in GetInfo, for the orchestrator's adaptive draft length")
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
 
@@ -160,6 +164,9 @@ def serve(args: argparse.Namespace) -> None:
     store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
     engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
                           max_batch=args.max_batch)
+    if args.profile_forward == "on":
+        engine.forward_ms = engine.profile_forward_ms(args.max_draft_len + 1)
+        log.info("forward cost profile", extra={"forward_ms": engine.forward_ms})
     server = build_server(engine, args.listen).start()
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

@@ -92,9 +92,13 @@ def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inj
 
 def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | None = "ngram", draft_len: int = 4,
                 target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
-                max_new_tokens_limit: int = 512, batch_window_ms: float = 0.0, **servicer_kwargs) -> Stack:
+                max_new_tokens_limit: int = 512, batch_window_ms: float = 0.0,
+                forward_ms: list[float] | str | None = None, **servicer_kwargs) -> Stack:
+    """forward_ms: the target's reported forward-cost profile ("measure": measured like `serve target` does)."""
     tl = model(target)
     engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions), batch_window_ms=batch_window_ms)
+    if forward_ms is not None:
+        engine.forward_ms = engine.profile_forward_ms(17) if forward_ms == "measure" else list(forward_ms)
     tsrv = build_target_server(engine, "127.0.0.1:0").start()
     specs = [] if draft is None else [draft] if isinstance(draft, str) else list(draft)
     # "local:ngram" drafts inside the orchestrator: no server, the pool builds it.

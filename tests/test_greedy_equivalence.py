@@ -129,3 +129,42 @@ def test_min_confidence_and_adaptive_length_keep_output(redis_url):
             assert got.stats["draft_tokens_proposed"] < 4 * got.stats["verify_steps"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("draft", [DRAFT_SAME, DRAFT_OTHER, "local:ngram"], ids=["same-model", "unrelated", "local-ngram"])
+def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, draft):
+    """The goodput policy (the target's measured forward profile) changes only how much is drafted."""
+    from orchestrator.generation import LoopConfig
+    from orchestrator.outline import build_outline
+
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms="measure")
+    try:
+        assert s.servicer.target_cost is not None
+        assert "goodput" in build_outline(s.servicer)["draftStrategy"]["draftLength"]["policy"]
+        for prompt in PROMPTS:
+            ref = s.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+            got = s.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert got.token_ids == ref.token_ids
+            st = got.stats
+            if draft == DRAFT_SAME:  # everything accepted: the blocks grow past the default of 4
+                assert st["draft_tokens_proposed"] > 4 * st["verify_steps"]
+    finally:
+        s.stop()
+
+
+def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
+    """A target whose forward cost grows linearly with the tokens (a compute-bound, fully loaded target): an
+    unrelated draft never pays, so the session decodes target-only, probing the draft now and then."""
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, draft=DRAFT_OTHER, cfg=cfg, forward_ms=[10.0 * n for n in range(1, 18)])
+    try:
+        ref = s.client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+        got = s.client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, ignore_eos=True)
+        assert got.token_ids == ref.token_ids
+        st = got.stats
+        assert st["speculation_paused_steps"] > 0 and st["decode_steps"] > st["verify_steps"]
+    finally:
+        s.stop()

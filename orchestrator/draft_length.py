@@ -1,0 +1,173 @@
+"""How many tokens to draft per step, per session.
+
+- `DraftLength`: fixed, or transformers' heuristic schedule for assisted generation (+2 after a fully accepted
+  block, -1 after a rejection).
+- `GoodputDraftLength` (the default adaptive policy): picks k to maximise expected tokens per millisecond, with
+  the paper's expected accepted length (Leviathan et al. 2023) over what a step really costs here: the target's
+  measured forward cost for k + 1 tokens (reported by the target service, scaled by the load it sees), the
+  draft's measured cost per token and per call, and the fixed RPC costs. k = 0, target-only, when no k pays;
+  speculation is then probed again every few steps so the session can return to it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from specdec.sampling import expected_accepted_length
+
+
+class DraftLength:
+    """Fixed, or the heuristic transformers uses for assisted generation: +2 after a fully accepted block,
+    -1 after a rejection."""
+
+    def __init__(self, start: int, max_len: int, adaptive: bool):
+        self.k = max(1, min(start, max_len))
+        self.max_len = max_len
+        self.adaptive = adaptive
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        self.k = min(self.max_len, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+
+    def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
+        """Heuristic and fixed lengths ignore costs."""
+
+    def step_taken(self) -> None:
+        """Heuristic and fixed lengths never pause."""
+
+
+class Ema:
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.value: float | None = None
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+class TargetCost:
+    """The target's cost of one step, shared by an orchestrator's sessions: its start-up forward profile
+    (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (batching, load and drift
+    scale every size alike), plus the RPC overhead around a target call."""
+
+    def __init__(self, forward_ms: list[float]):
+        self.forward_ms = [float(x) for x in forward_ms]
+        self._lock = threading.Lock()
+        self.load = Ema()
+        self.rpc_ms = Ema()
+
+    def observe(self, tokens: int, server_ms: float, wall_ms: float, calls: int = 1) -> None:
+        """A target call that ran forwards over `tokens` new tokens each (`calls` of them), taking server_ms on
+        the target and wall_ms here."""
+        if not self.forward_ms or tokens < 1 or tokens > len(self.forward_ms) or server_ms <= 0:
+            return
+        with self._lock:
+            self.load.observe(server_ms / (calls * self.forward_ms[tokens - 1]))
+            self.rpc_ms.observe(max(0.0, wall_ms - server_ms))
+
+    def step_ms(self, tokens: int) -> float:
+        return self.forward_ms[tokens - 1] * self.load.get(1.0) + self.rpc_ms.get(0.0)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.forward_ms)
+
+
+class AcceptancePrior:
+    """The orchestrator-wide per-token acceptance (all sessions' blocks, discounted per drafted token over a few
+    hundred tokens): a new session starts from it, and one session's short run of rejections (n-gram acceptance
+    comes in bursts) moves its estimate only so far."""
+
+    DECAY = 0.995
+
+    def __init__(self):
+        self.successes, self.failures = 1.0, 1.0
+        self._lock = threading.Lock()
+
+    def update(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            keep = self.DECAY ** proposed
+            self.successes = keep * self.successes + accepted
+            self.failures = keep * self.failures + (accepted < proposed)
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+
+class GoodputDraftLength:
+    """k = argmax over 0..max_len of E(k) / T(k):
+    E(k) = 1 + a + ... + a^k, the expected tokens one step commits with per-token acceptance a;
+    T(k) = target step over k + 1 tokens + draft cost (per call + per token; nothing for k = 0).
+    a is estimated from this session's recent blocks: accepted tokens are successes, a block that ended in a
+    rejection is one failure (the maximum-likelihood estimate for truncated geometric runs), both discounted per
+    drafted token, so the estimate follows the text (a copied passage, then free prose) as fast after long blocks
+    as after short ones, and shrunk towards the orchestrator-wide acceptance (worth PRIOR_WEIGHT observations)."""
+
+    DECAY = 0.97         # weight of the history per newly drafted token (about the last 30 drafted tokens count)
+    PRIOR_WEIGHT = 8.0
+    PROBE_EVERY = 4    # while paused (k = 0), try speculating again after this many target-only steps
+
+    def __init__(self, start: int, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None):
+        self.cost = cost
+        self.prior = prior if prior is not None else AcceptancePrior()
+        self.max_len = max(1, min(max_len, cost.max_tokens - 1))
+        self.successes, self.failures = 0.0, 0.0
+        self.draft_call_ms = Ema()
+        self.draft_token_ms = Ema()
+        self.paused_steps = 0
+        self.k = max(1, min(start, self.max_len))
+        self.k = self.best()
+
+    @property
+    def alpha(self) -> float:
+        w = self.PRIOR_WEIGHT
+        return (self.successes + w * self.prior.alpha) / (self.successes + self.failures + w)
+
+    def tokens_per_ms(self, k: int) -> float:
+        t = self.cost.step_ms(k + 1)
+        if k:
+            t += self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
+        return expected_accepted_length(min(self.alpha, 0.999), k) / t
+
+    def best(self) -> int:
+        return max(range(self.max_len + 1), key=self.tokens_per_ms)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        keep = self.DECAY ** proposed
+        self.successes = keep * self.successes + accepted
+        self.failures = keep * self.failures + (accepted < proposed)
+        self.prior.update(proposed, accepted)
+        self.paused_steps = 0
+        self.k = self.best()
+
+    def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
+        """A Propose call: wall_ms here, of which the draft spent draft_ms drafting `tokens` tokens."""
+        if tokens:
+            self.draft_token_ms.observe(draft_ms / tokens)
+        self.draft_call_ms.observe(max(0.0, wall_ms - draft_ms))
+
+    def step_taken(self) -> None:
+        """A step without a verify; while paused, count towards the next probe."""
+        if self.k == 0:
+            self.paused_steps += 1
+            if self.paused_steps >= self.PROBE_EVERY:
+                self.k = max(range(1, self.max_len + 1), key=self.tokens_per_ms)
+
+
+AdaptiveLength = DraftLength | GoodputDraftLength
+
+
+def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,
+                      prior: AcceptancePrior | None = None):
+    """The per-session draft length: goodput when adaptive and the target reported its forward costs,
+    otherwise transformers' heuristic (adaptive) or fixed."""
+    if adaptive and policy == "goodput" and cost is not None and cost.max_tokens >= 2:
+        return GoodputDraftLength(start, max_len, cost, prior)
+    return DraftLength(start, max_len, adaptive)

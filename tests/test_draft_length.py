@@ -1,0 +1,106 @@
+"""The per-session draft-length policies (orchestrator/draft_length.py) and the target's forward-cost profile."""
+
+import pytest
+
+from orchestrator.draft_length import DraftLength, GoodputDraftLength, TargetCost, make_draft_length
+
+FLAT_TO_6 = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # a CPU-like profile
+
+
+def test_heuristic_grows_on_full_blocks_and_shrinks_on_rejections():
+    d = DraftLength(4, 16, adaptive=True)
+    d.update(4, 4)
+    assert d.k == 6
+    d.update(6, 2)
+    assert d.k == 5
+    fixed = DraftLength(4, 16, adaptive=False)
+    fixed.update(4, 4)
+    assert fixed.k == 4
+
+
+def test_goodput_uses_the_flat_part_of_the_verify_cost():
+    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    assert d.alpha == pytest.approx(0.5)
+    assert d.k == 5  # 6 tokens cost the same as 2: draft up to there, not beyond (the next size costs more)
+
+
+def test_goodput_follows_acceptance():
+    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    for _ in range(10):
+        d.update(d.k, d.k)  # everything accepted: longer blocks pay even though they cost more
+    assert d.alpha > 0.9 and d.k >= 10
+    for _ in range(100):
+        d.update(d.k, 0)  # the first draft token always rejected
+        if d.k == 0:
+            break
+    # The 1 -> 2 token step costs 70 vs 60 ms: with little accepted, target-only pays best.
+    assert d.k == 0 and d.alpha < 0.2
+
+
+def test_goodput_pauses_then_probes():
+    d = GoodputDraftLength(4, 16, TargetCost([10.0 * n for n in range(1, 18)]))  # cost linear in tokens
+    assert d.k == 0  # E(k) <= k + 1 tokens for k + 1 times the cost: speculation never pays
+    for _ in range(GoodputDraftLength.PROBE_EVERY - 1):
+        d.step_taken()
+        assert d.k == 0
+    d.step_taken()
+    assert d.k >= 1  # probe
+    d.update(d.k, 0)
+    assert d.k == 0  # the probe failed: paused again
+
+
+def test_goodput_weighs_the_draft_cost():
+    cheap = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    slow = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    for d, per_token in ((cheap, 0.1), (slow, 15.0)):
+        for _ in range(5):
+            d.observe_draft(wall_ms=1.0 + 4 * per_token, draft_ms=4 * per_token, tokens=4)
+            d.update(4, 2)
+    assert cheap.alpha == pytest.approx(slow.alpha)
+    assert slow.k < cheap.k  # a draft token costing a quarter of a target step is worth fewer drafts
+
+
+def test_target_cost_scales_with_observed_load():
+    cost = TargetCost(FLAT_TO_6)
+    assert cost.step_ms(1) == 60.0
+    for _ in range(30):
+        cost.observe(5, server_ms=140.0, wall_ms=143.0)  # a batched forward: twice the profile
+    assert cost.step_ms(1) == pytest.approx(2 * 60 + 3, rel=0.01)
+    cost.observe(99, server_ms=1.0, wall_ms=1.0)  # outside the profile: ignored
+    assert cost.step_ms(1) == pytest.approx(123, rel=0.01)
+
+
+def test_goodput_needs_a_profile_else_heuristic():
+    assert isinstance(make_draft_length(4, 16, True, "goodput", TargetCost(FLAT_TO_6)), GoodputDraftLength)
+    assert isinstance(make_draft_length(4, 16, True, "goodput", None), DraftLength)
+    assert isinstance(make_draft_length(4, 16, True, "heuristic", TargetCost(FLAT_TO_6)), DraftLength)
+    fixed = make_draft_length(4, 16, False, "goodput", TargetCost(FLAT_TO_6))
+    assert isinstance(fixed, DraftLength) and not fixed.adaptive
+    assert GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6[:3])).max_len == 2  # never beyond the profile
+
+
+def test_target_profile_is_measured_and_non_decreasing():
+    from specdec.kv_cache import SessionCacheStore
+    from target_service.engine import TargetEngine
+    from tests.harness import TARGET, model
+
+    engine = TargetEngine(model(TARGET), SessionCacheStore())
+    prof = engine.profile_forward_ms(17, reps=2)
+    assert len(prof) == 17 and all(x > 0 for x in prof)
+    assert all(b >= a for a, b in zip(prof, prof[1:]))
+    assert len(engine.store) == 0  # the scratch session is not a session
+
+
+def test_a_short_run_of_rejections_does_not_pause_a_good_drafter():
+    """The estimate is shrunk towards every session's acceptance: n-gram matches come in bursts."""
+    from orchestrator.draft_length import AcceptancePrior
+
+    prior = AcceptancePrior()
+    for _ in range(100):
+        prior.update(5, 3)  # other sessions: 3 of 5 accepted per block
+    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6), prior)
+    alone = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6), AcceptancePrior())
+    for _ in range(5):
+        d.update(max(d.k, 1), 0)
+        alone.update(max(alone.k, 1), 0)
+    assert d.k >= 4 and alone.k == 0
