@@ -117,9 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the draft model proposes only ids below N (draft --draft-vocab; 0 = all)")
-    p.add_argument("--speculation-max-sessions", type=int, default=4,
+    p.add_argument("--speculation-max-sessions", type=int, default=0,
                    help="the batched sessions sweep's orchestrator decodes target-only above this many generating "
-                        "sessions (0 = always speculate)")
+                        "sessions (default 0 = no fixed switch: the goodput draft length costs each block as part "
+                        "of the batch and stops drafting when that does not pay)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
@@ -724,7 +725,8 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 f"target verify per step grew from {_fmt(r1.get('target_verify_ms_per_step'))} to "
                 f"{_fmt(r8.get('target_verify_ms_per_step'))} ms ({_fmt(ratio_or_none(r8, r1))}x for "
                 f"{r8.get('sessions')}x the sessions); {_fmt(100 * (r8.get('plain_decode_step_fraction') or 0), 0)}% of "
-                "the steps were plain target Decode calls (nothing drafted), which the target does not batch")
+                "the steps were target-only Decode calls (nothing drafted, speculation paused by the goodput draft "
+                "length or shed by the load switch; the target batches their single-token steps too)")
     return ""
 
 

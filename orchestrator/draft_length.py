@@ -51,29 +51,49 @@ class Ema:
 
 class TargetCost:
     """The target's cost of one step, shared by an orchestrator's sessions: its start-up forward profile
-    (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (batching, load and drift
-    scale every size alike), plus the RPC overhead around a target call."""
+    (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (load and drift scale every
+    size alike), plus the RPC overhead around a target call.
 
-    def __init__(self, forward_ms: list[float]):
+    A batching target verifies the blocks of concurrent sessions in one forward, whose cost grows with the
+    tokens of all its rows: with n sessions generating (at most max_batch), a block of t tokens is costed as
+    part of a forward over n * t tokens (every session drafting alike). So longer drafts get dearer as load
+    grows, and under enough load no draft pays (vLLM's disable-by-batch-size, derived instead of set)."""
+
+    def __init__(self, forward_ms: list[float], max_batch: int = 1, sessions=lambda: 1):
         self.forward_ms = [float(x) for x in forward_ms]
+        self.max_batch = max(1, int(max_batch))
+        self.sessions = sessions  # generations running now (this orchestrator's view of the batch)
         self._lock = threading.Lock()
         self.load = Ema()
         self.rpc_ms = Ema()
 
+    def rows(self) -> int:
+        return max(1, min(self.max_batch, int(self.sessions())))
+
+    def forward(self, tokens: int) -> float:
+        """Profiled ms of a forward over `tokens` tokens; linear beyond the profile's end."""
+        f = self.forward_ms
+        if tokens <= len(f):
+            return f[tokens - 1]
+        mid = len(f) // 2
+        slope = (f[-1] - f[mid - 1]) / max(1, len(f) - mid)
+        return f[-1] + slope * (tokens - len(f))
+
     def observe(self, tokens: int, server_ms: float, wall_ms: float, calls: int = 1) -> None:
         """A target call that ran forwards over `tokens` new tokens each (`calls` of them), taking server_ms on
         the target and wall_ms here."""
-        if not self.forward_ms or tokens < 1 or tokens > len(self.forward_ms) or server_ms <= 0:
+        if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
         with self._lock:
-            self.load.observe(server_ms / (calls * self.forward_ms[tokens - 1]))
+            self.load.observe(server_ms / (calls * self.forward(self.rows() * tokens)))
             self.rpc_ms.observe(max(0.0, wall_ms - server_ms))
 
-    def step_ms(self, tokens: int) -> float:
-        return self.forward_ms[tokens - 1] * self.load.get(1.0) + self.rpc_ms.get(0.0)
+    def step_ms(self, tokens: int, rows: int = 1) -> float:
+        return self.forward(rows * tokens) * self.load.get(1.0) + self.rpc_ms.get(0.0)
 
     @property
     def max_tokens(self) -> int:
+        """The longest single block (draft + 1) the profile covers."""
         return len(self.forward_ms)
 
 
@@ -128,14 +148,15 @@ class GoodputDraftLength:
         w = self.PRIOR_WEIGHT
         return (self.successes + w * self.prior.alpha) / (self.successes + self.failures + w)
 
-    def tokens_per_ms(self, k: int) -> float:
-        t = self.cost.step_ms(k + 1)
+    def tokens_per_ms(self, k: int, rows: int = 1) -> float:
+        t = self.cost.step_ms(k + 1, rows)
         if k:
             t += self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
         return expected_accepted_length(min(self.alpha, 0.999), k) / t
 
     def best(self) -> int:
-        return max(range(self.max_len + 1), key=self.tokens_per_ms)
+        rows = self.cost.rows()
+        return max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -158,7 +179,8 @@ class GoodputDraftLength:
         if self.k == 0:
             self.paused_steps += 1
             if self.paused_steps >= self.PROBE_EVERY:
-                self.k = max(range(1, self.max_len + 1), key=self.tokens_per_ms)
+                rows = self.cost.rows()
+                self.k = max(range(1, self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
 
 
 AdaptiveLength = DraftLength | GoodputDraftLength

@@ -197,7 +197,8 @@ def _draft_strategy(servicer, view: dict) -> dict:
     if goodput:
         policy = (f"adaptive per session (goodput): each step drafts the k in 0..{max_k} that maximises expected "
                   "tokens per ms, (1 - a^(k+1)) / (1 - a) over the target's measured forward cost for k + 1 tokens "
-                  "(its start-up profile, scaled by the load it reports) plus the measured draft cost; a = the "
+                  "(its start-up profile, scaled by the load it reports; on a batching target, for k + 1 tokens "
+                  "from every generating session, so drafts shrink as load grows) plus the measured draft cost; a = the "
                   "session's recent per-token acceptance; k = 0 (target-only) when no k pays, probed again every "
                   "few steps; a request's max_draft_len fixes k instead")
     elif adaptive:

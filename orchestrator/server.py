@@ -67,7 +67,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.vocab_size = target_info.vocab_size
         self.window = AcceptanceWindow()
         self.target_step = StepTimer()
-        self.target_cost = TargetCost(list(target_info.forward_ms)) if len(target_info.forward_ms) >= 2 else None
+        self.target_cost = (TargetCost(list(target_info.forward_ms), target_info.max_batch, self._active_count)
+                            if len(target_info.forward_ms) >= 2 else None)
         self.acceptance_prior = AcceptancePrior()
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions

@@ -127,17 +127,19 @@ class TargetEngine:
         self.max_draft_len = max_draft_len
         self.batcher = VerifyBatcher(self, batch_window_ms, max_batch) if batch_window_ms > 0 else None
         self.forward_ms: list[float] = []  # profile_forward_ms's result, when the service measured it
+        self.max_batch = max_batch if self.batcher is not None else 1
 
     @property
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
 
     def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 2) -> list[float]:
-        """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts)
-        after `context` tokens: what a longer draft costs the target. The fastest of `reps` runs (noise on a
-        shared machine only adds time), sizes above 6 measured sparsely and interpolated, and made
-        non-decreasing (more tokens never cost less)."""
-        grid = sorted({n for n in range(1, max_tokens + 1) if n <= 6 or n % 3 == 2 or n == max_tokens})
+        """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts, or a
+        batch's rows together) after `context` tokens: what a longer draft costs the target. The fastest of `reps`
+        runs (noise on a shared machine only adds time), sizes above 6 measured sparsely and interpolated, and
+        made non-decreasing (more tokens never cost less)."""
+        grid = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 11, 14, 17, 24, 32, 48, 64, 96, 128) if n < max_tokens}
+                      | {max_tokens})
         sess = SessionKV("\x00profile")
         vocab = self.loaded.vocab_size
         self.lm.extend(sess, [(7 * i + 1) % vocab for i in range(context)], keep=1)

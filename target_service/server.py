@@ -32,6 +32,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             dtype=str(loaded.dtype).replace("torch.", ""),
             strategy="target",
             forward_ms=engine.forward_ms,
+            max_batch=engine.max_batch,
         )
         component = {"specdec.component": "target"}
         telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
@@ -165,7 +166,9 @@ def serve(args: argparse.Namespace) -> None:
     engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
                           max_batch=args.max_batch)
     if args.profile_forward == "on":
-        engine.forward_ms = engine.profile_forward_ms(args.max_draft_len + 1)
+        # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
+        rows = min(engine.max_batch, 4)
+        engine.forward_ms = engine.profile_forward_ms(rows * (args.max_draft_len + 1))
         log.info("forward cost profile", extra={"forward_ms": engine.forward_ms})
     server = build_server(engine, args.listen).start()
     telemetry.ready(server.address)

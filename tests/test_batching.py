@@ -257,3 +257,31 @@ def test_the_batch_closes_once_every_active_session_is_in():
     assert len(results["a"]) == 3 and len(results["b"]) == 3
     assert engine.batcher.batched_jobs > engine.batcher.batches  # some forwards carried both sessions
     assert results["a"] == _decode(TargetEngine(model(TARGET), SessionCacheStore()), "a", [3, 9, 27], 3, 0.0)[0]
+
+
+def test_goodput_drafts_less_as_the_batch_grows(redis_url):
+    """The goodput draft length costs a block as part of a forward over every generating session's tokens: on a
+    target whose forward cost grows with the batch's tokens, 8 concurrent sessions draft less per step than a
+    lone one (or pause drafting), and every output still equals target-only decoding."""
+    from orchestrator.generation import LoopConfig
+
+    prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]  # CPU-like: flat to 6 tokens
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg, batch_window_ms=5, forward_ms=prof)
+    try:
+        prompts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(8)]
+        refs = [stack.client.generate(p, max_new_tokens=40, speculation=False, ignore_eos=True).token_ids
+                for p in prompts]
+        alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
+        assert alone.token_ids == refs[0]
+        results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True),
+                                   len(prompts))
+        assert [r.token_ids for r in results] == refs
+
+        def drafted_per_step(stats_list):
+            steps = sum(s["verify_steps"] + s["speculation_paused_steps"] for s in stats_list)
+            return sum(s["draft_tokens_proposed"] for s in stats_list) / max(1, steps)
+
+        assert drafted_per_step([r.stats for r in results]) < 0.7 * drafted_per_step([alone.stats])
+    finally:
+        stack.stop()

@@ -174,9 +174,12 @@ def test_orchestrators_for_an_ngram_drafter():
     assert set(quick) == {"orch-sequential", "orch-pipe-auto", "orch-pipe-auto-local", "orch-pipe-auto-batched",
                           "orch-pipe-auto-local-batched"}
     target, extra = quick["orch-pipe-auto-local-batched"]
-    assert target == "target-batched" and extra[-2:] == ["--speculation-max-sessions", "4"]
+    assert target == "target-batched" and "--speculation-max-sessions" not in extra  # goodput decides under load
     assert extra[extra.index("--draft") + 1] == "local:ngram"
+    switched = orchestrator_specs(parse_args(["--quick", "--speculation-max-sessions", "4"]), flags, "ngram")
+    assert switched["orch-pipe-auto-local-batched"][1][-2:] == ["--speculation-max-sessions", "4"]
     full = orchestrator_specs(parse_args([]), flags, "model")
     assert "orch-pipe-on" in full and "orch-pipe-auto-local" not in full and "orch-tree-n6" in full
+    assert full["orch-heuristic"] == ("target", ["--draft-len-policy", "heuristic"])  # goodput's comparison
     full_ngram = orchestrator_specs(parse_args([]), flags, "ngram")
     assert full_ngram["orch-local"] == ("target", ["--draft", "local:ngram"])  # the local headline's twin

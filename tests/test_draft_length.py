@@ -104,3 +104,19 @@ def test_a_short_run_of_rejections_does_not_pause_a_good_drafter():
         d.update(max(d.k, 1), 0)
         alone.update(max(alone.k, 1), 0)
     assert d.k >= 4 and alone.k == 0
+
+
+def test_goodput_costs_a_block_as_part_of_a_batch():
+    """With n sessions on a batching target, a block of t tokens rides in a forward over about n * t tokens:
+    drafts get dearer with load, and under enough load target-only pays best."""
+    prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]  # flat to 6 tokens, then linear
+    sessions = [1]
+    cost = TargetCost(prof, max_batch=16, sessions=lambda: sessions[0])
+    alone = GoodputDraftLength(4, 16, cost)
+    assert alone.k == 5
+    sessions[0] = 8
+    busy = GoodputDraftLength(4, 16, cost)
+    assert busy.k == 0
+    assert cost.step_ms(3, rows=30) > cost.step_ms(3, rows=25) > cost.forward(68)  # extrapolated past the profile
+    unbatched = GoodputDraftLength(4, 16, TargetCost(prof, max_batch=1, sessions=lambda: 8))
+    assert unbatched.k == 5  # an unbatched target serves sessions one forward at a time: no batch to share

@@ -35,7 +35,7 @@ class Distribution(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., values_fp16: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms", "max_batch")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -54,7 +55,8 @@ class ModelInfo(_message.Message):
     dtype: str
     strategy: str
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class TokenTree(_message.Message):
     __slots__ = ("parents", "tokens", "probs")
