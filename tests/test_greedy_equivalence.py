@@ -147,8 +147,10 @@ def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, dra
             got = s.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
             assert got.token_ids == ref.token_ids
             st = got.stats
-            if draft == DRAFT_SAME:  # everything accepted: the blocks grow past the default of 4
-                assert st["draft_tokens_proposed"] > 4 * st["verify_steps"]
+            if draft == DRAFT_SAME:
+                # Everything drafted is accepted; how much is drafted depends on measured costs (a draft as big
+                # as the target may rightly pause speculation), so the choice itself is unit-tested.
+                assert st["draft_tokens_accepted"] == st["draft_tokens_proposed"]
     finally:
         s.stop()
 
