@@ -148,15 +148,21 @@ class GoodputDraftLength:
         w = self.PRIOR_WEIGHT
         return (self.successes + w * self.prior.alpha) / (self.successes + self.failures + w)
 
-    def tokens_per_ms(self, k: int, rows: int = 1) -> float:
+    def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         t = self.cost.step_ms(k + 1, rows)
         if k:
             t += self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
-        return expected_accepted_length(min(self.alpha, 0.999), k) / t
+        return expected_accepted_length(min(self.alpha if alpha is None else alpha, 0.999), k) / t
 
     def best(self) -> int:
+        """The best k for this session. It pauses (k = 0) only when the orchestrator-wide acceptance agrees that
+        no k pays: a drafter that pays on average keeps drafting (at least 1 token) through one session's
+        rejections, since n-gram matches come in bursts and a pause would miss the next one."""
         rows = self.cost.rows()
-        return max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
+        k = max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
+        if k == 0 and max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows, self.prior.alpha)):
+            k = max(range(1, self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
+        return k
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:

@@ -118,6 +118,18 @@ class VerifyBatcher:
             self.batched_jobs += len(jobs)
 
 
+def _isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16,
                  batch_window_ms: float = 0.0, max_batch: int = 16):
@@ -133,11 +145,12 @@ class TargetEngine:
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
 
-    def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 2) -> list[float]:
+    def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
         """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts, or a
         batch's rows together) after `context` tokens: what a longer draft costs the target. The fastest of `reps`
         runs (noise on a shared machine only adds time), sizes above 6 measured sparsely and interpolated, and
-        made non-decreasing (more tokens never cost less)."""
+        made non-decreasing by isotonic regression (more tokens never cost less; a spike left by a busy moment
+        is averaged with its neighbours rather than carried to every larger size)."""
         grid = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 11, 14, 17, 24, 32, 48, 64, 96, 128) if n < max_tokens}
                       | {max_tokens})
         sess = SessionKV("\x00profile")
@@ -152,16 +165,16 @@ class TargetEngine:
                 self.lm.crop(sess, context)
                 if rep:
                     best[n] = min(best[n], dt)
-        out, prev = [], 0.0
+        fitted = dict(zip(grid, _isotonic([best[n] for n in grid])))
+        out = []
         for n in range(1, max_tokens + 1):
-            if n in best:
-                v = best[n]
+            if n in fitted:
+                v = fitted[n]
             else:  # between two measured sizes
                 lo = max(g for g in grid if g < n)
                 hi = min(g for g in grid if g > n)
-                v = best[lo] + (best[hi] - best[lo]) * (n - lo) / (hi - lo)
-            prev = max(prev, v)
-            out.append(round(prev, 3))
+                v = fitted[lo] + (fitted[hi] - fitted[lo]) * (n - lo) / (hi - lo)
+            out.append(round(v, 3))
         return out
 
     def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
