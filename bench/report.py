@@ -57,6 +57,9 @@ def markdown(res: dict) -> str:
                        ("mean_accepted_length", "mean accepted length (tokens per verify)"),
                        ("predicted_speedup", "predicted speedup"),
                        ("measured_over_predicted", "measured / predicted"),
+                       ("decode_phase_speedup_vs_target_only",
+                        "speedup vs target-only after the first streamed tokens (prefill left out)"),
+                       ("measured_over_predicted_decode_phase", "measured / predicted, after the first streamed tokens"),
                        ("throughput_8_sessions_vs_1",
                         f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})")]:
         lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")

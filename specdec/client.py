@@ -23,6 +23,8 @@ class GenerationResult:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    ttft_s: float | None = None  # time to the first streamed tokens (prompt prefill + the first step)
+    first_tokens: int = 0        # how many tokens that first chunk carried
 
     def to_json(self) -> dict:
         s = self.stats
@@ -37,6 +39,7 @@ class GenerationResult:
             "fallback_steps": s.get("fallback_steps", 0),
             "tokens_per_second": s.get("tokens_per_second", 0.0),
             "client_tokens_per_second": len(self.token_ids) / self.wall_s if self.wall_s else 0.0,
+            "ttft_s": self.ttft_s,
             "stats": s,
         }
 
@@ -78,14 +81,17 @@ class SpecdecClient:
     def generate(self, prompt: str | list[int] | None = None, **kwargs) -> GenerationResult:
         t0 = time.perf_counter()
         text, tokens, sid, finish, stats = [], [], "", "unspecified", {}
+        ttft, first = None, 0
         for msg in self.stream(prompt, **kwargs):
             sid = msg.session_id or sid
             text.append(msg.text)
+            if ttft is None and msg.token_ids:
+                ttft, first = time.perf_counter() - t0, len(msg.token_ids)
             tokens.extend(msg.token_ids)
             if msg.HasField("stats"):
                 stats = _stats_dict(msg.stats)
                 finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
-        return GenerationResult(sid, "".join(text), tokens, finish, stats, time.perf_counter() - t0)
+        return GenerationResult(sid, "".join(text), tokens, finish, stats, time.perf_counter() - t0, ttft, first)
 
     def get_session(self, session_id: str, timeout_s: float = 10.0) -> opb.SessionInfo:
         return self.stub.GetSession(opb.GetSessionRequest(session_id=session_id), timeout=timeout_s,

@@ -59,6 +59,12 @@ def test_stream_offsets_and_text_deltas_add_up(stack):
     assert len(tokens) == 25
 
 
+def test_client_reports_time_to_first_tokens(stack):
+    r = stack.client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, max_draft_len=4)
+    assert 0 < r.ttft_s < r.wall_s and 1 <= r.first_tokens <= 5  # the first step: at most 4 drafts + 1
+    assert r.to_json()["ttft_s"] == r.ttft_s
+
+
 def test_stop_token_ids(stack):
     full = stack.client.generate(PROMPT, max_new_tokens=30, ignore_eos=True, speculation=False)
     stop_id = full.token_ids[4]

@@ -93,6 +93,10 @@ def test_bench_ratios_come_from_the_measured_tokens_per_second(bench_run):
             continue
         assert close(c["tokens_per_s"], c["tokens"] / c["wall_s"])
         assert close(c["speedup_vs_target_only"], c["tokens_per_s"] / base["tokens_per_s"])
+        if c["kind"].startswith("specdec"):  # through the client: the prefill-free phase is measured too
+            assert 0 < c["decode_phase_tokens_per_s"]
+            assert close(c["decode_phase_speedup_vs_target_only"],
+                         c["decode_phase_tokens_per_s"] / base["decode_phase_tokens_per_s"])
         if c["kind"] in ("specdec-sequential", "specdec-pipelined") and c.get("predicted_speedup") is not None:
             st = c["service_stats"]
             assert close(c["acceptance_rate"], st["draft_tokens_accepted"] / st["draft_tokens_proposed"])
