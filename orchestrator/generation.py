@@ -308,6 +308,7 @@ class Generation:
         if k <= 0 or not self._wants_draft():
             if self.draft_len.k == 0 and self._wants_draft():  # no draft length pays: target-only for now
                 self.rec.stats["speculation_paused_steps"] += 1
+                metrics.record_paused()
                 self.draft_len.step_taken()
             return self._decode(min(self.cfg.fallback_chunk, remaining), False), False
         if self._overloaded():

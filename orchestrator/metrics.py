@@ -24,6 +24,9 @@ def _instruments():
         "load_shed": meter.create_counter("specdec.speculation.load_shed_steps", unit="{step}",
                                           description="steps decoded target-only because too many sessions were "
                                                       "generating (--speculation-max-sessions)"),
+        "paused": meter.create_counter("specdec.speculation.paused_steps", unit="{step}",
+                                       description="steps decoded target-only because no draft length paid "
+                                                   "(goodput draft length)"),
     }
 
 
@@ -49,3 +52,7 @@ def record_degraded(seconds: float) -> None:
 
 def record_load_shed() -> None:
     _instruments()["load_shed"].add(1)
+
+
+def record_paused() -> None:
+    _instruments()["paused"].add(1)

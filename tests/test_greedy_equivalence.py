@@ -161,12 +161,19 @@ def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
     from orchestrator.generation import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    from specdec import telemetry
+
     s = start_stack(redis_url, draft=DRAFT_OTHER, cfg=cfg, forward_ms=[10.0 * n for n in range(1, 18)])
     try:
         ref = s.client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+        before = telemetry.snapshot()
         got = s.client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, ignore_eos=True)
+        after = telemetry.snapshot()
         assert got.token_ids == ref.token_ids
         st = got.stats
         assert st["speculation_paused_steps"] > 0 and st["decode_steps"] > st["verify_steps"]
+        paused = (telemetry.metric_value(after, "specdec.speculation.paused_steps")
+                  - telemetry.metric_value(before, "specdec.speculation.paused_steps"))
+        assert paused == st["speculation_paused_steps"]
     finally:
         s.stop()
