@@ -163,6 +163,7 @@ def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     from specdec import telemetry
 
+    telemetry.ensure_providers("specdec-test")  # the process-wide providers, named as tests/test_observability.py does
     s = start_stack(redis_url, draft=DRAFT_OTHER, cfg=cfg, forward_ms=[10.0 * n for n in range(1, 18)])
     try:
         ref = s.client.generate(PROMPTS[2], max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
