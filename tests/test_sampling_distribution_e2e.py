@@ -26,6 +26,7 @@ N_TOKENS = 3
 N_SAMPLES = draws(2500)
 N_PATH_SAMPLES = draws(1500)
 N_BROKEN_SAMPLES = draws(400)
+N_POLICY_SAMPLES = draws(1000)  # the goodput draft length: only k's choice differs from the plain path
 ALPHA = 1e-3
 PARAMS = dict(temperature=1.0, top_k=6, top_p=0.95)
 
@@ -141,7 +142,7 @@ def test_goodput_draft_length_sampling_matches_target_distribution(redis_url, ex
     try:
         lengths = set()
         samples = []
-        for seed in range(N_PATH_SAMPLES):
+        for seed in range(N_POLICY_SAMPLES):
             r = s.client.generate(PROMPT, max_new_tokens=N_TOKENS + 2, seed=seed, ignore_eos=True, **PARAMS)
             samples.append(tuple(r.token_ids[:N_TOKENS]))
             if r.stats["verify_steps"]:
