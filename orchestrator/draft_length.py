@@ -38,6 +38,8 @@ class DraftLength:
 
 
 class Ema:
+    """Exponential moving average; nothing until the first observation."""
+
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self.value: float | None = None
@@ -97,20 +99,20 @@ class TargetCost:
         return len(self.forward_ms)
 
 
-class AcceptancePrior:
-    """The orchestrator-wide per-token acceptance (all sessions' blocks, discounted per drafted token over a few
-    hundred tokens): a new session starts from it, and one session's short run of rejections (n-gram acceptance
-    comes in bursts) moves its estimate only so far."""
+class DiscountedAcceptance:
+    """Per-token acceptance from verified blocks: accepted tokens are successes, a block that ended in a rejection
+    is one failure (the maximum-likelihood estimate for truncated geometric runs), both discounted per drafted
+    token, so the estimate follows the text (a copied passage, then free prose) as fast after long blocks as
+    after short ones."""
 
-    DECAY = 0.995
-
-    def __init__(self):
-        self.successes, self.failures = 1.0, 1.0
-        self._lock = threading.Lock()
+    def __init__(self, decay: float, successes: float = 0.0, failures: float = 0.0):
+        self.decay = decay
+        self.successes, self.failures = successes, failures
+        self._lock = threading.Lock()  # the orchestrator-wide one is updated by every session's thread
 
     def update(self, proposed: int, accepted: int) -> None:
         with self._lock:
-            keep = self.DECAY ** proposed
+            keep = self.decay ** proposed
             self.successes = keep * self.successes + accepted
             self.failures = keep * self.failures + (accepted < proposed)
 
@@ -119,34 +121,40 @@ class AcceptancePrior:
         return self.successes / (self.successes + self.failures)
 
 
+class AcceptancePrior(DiscountedAcceptance):
+    """The orchestrator-wide per-token acceptance (all sessions' blocks, over a few hundred drafted tokens): a new
+    session starts from it, and one session's short run of rejections (n-gram acceptance comes in bursts) moves
+    its estimate only so far. Starts at 0.5, worth one success and one failure."""
+
+    def __init__(self):
+        super().__init__(decay=0.995, successes=1.0, failures=1.0)
+
+
 class GoodputDraftLength:
     """k = argmax over 0..max_len of E(k) / T(k):
     E(k) = 1 + a + ... + a^k, the expected tokens one step commits with per-token acceptance a;
     T(k) = target step over k + 1 tokens + draft cost (per call + per token; nothing for k = 0).
-    a is estimated from this session's recent blocks: accepted tokens are successes, a block that ended in a
-    rejection is one failure (the maximum-likelihood estimate for truncated geometric runs), both discounted per
-    drafted token, so the estimate follows the text (a copied passage, then free prose) as fast after long blocks
-    as after short ones, and shrunk towards the orchestrator-wide acceptance (worth PRIOR_WEIGHT observations)."""
+    a is this session's DiscountedAcceptance, shrunk towards the orchestrator-wide one (worth PRIOR_WEIGHT
+    observations)."""
 
     DECAY = 0.97         # weight of the history per newly drafted token (about the last 30 drafted tokens count)
     PRIOR_WEIGHT = 8.0
     PROBE_EVERY = 4    # while paused (k = 0), try speculating again after this many target-only steps
 
-    def __init__(self, start: int, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None):
+    def __init__(self, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None):
         self.cost = cost
         self.prior = prior if prior is not None else AcceptancePrior()
         self.max_len = max(1, min(max_len, cost.max_tokens - 1))
-        self.successes, self.failures = 0.0, 0.0
+        self.own = DiscountedAcceptance(self.DECAY)
         self.draft_call_ms = Ema()
         self.draft_token_ms = Ema()
         self.paused_steps = 0
-        self.k = max(1, min(start, self.max_len))
         self.k = self.best()
 
     @property
     def alpha(self) -> float:
-        w = self.PRIOR_WEIGHT
-        return (self.successes + w * self.prior.alpha) / (self.successes + self.failures + w)
+        w, own = self.PRIOR_WEIGHT, self.own
+        return (own.successes + w * self.prior.alpha) / (own.successes + own.failures + w)
 
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         t = self.cost.step_ms(k + 1, rows)
@@ -154,22 +162,23 @@ class GoodputDraftLength:
             t += self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
         return expected_accepted_length(min(self.alpha if alpha is None else alpha, 0.999), k) / t
 
+    def _argmax(self, lowest: int, rows: int, alpha: float | None = None) -> int:
+        return max(range(lowest, self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows, alpha))
+
     def best(self) -> int:
         """The best k for this session. It pauses (k = 0) only when the orchestrator-wide acceptance agrees that
         no k pays: a drafter that pays on average keeps drafting (at least 1 token) through one session's
         rejections, since n-gram matches come in bursts and a pause would miss the next one."""
         rows = self.cost.rows()
-        k = max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
-        if k == 0 and max(range(self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows, self.prior.alpha)):
-            k = max(range(1, self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
+        k = self._argmax(0, rows)
+        if k == 0 and self._argmax(0, rows, self.prior.alpha):
+            k = self._argmax(1, rows)
         return k
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
-        keep = self.DECAY ** proposed
-        self.successes = keep * self.successes + accepted
-        self.failures = keep * self.failures + (accepted < proposed)
+        self.own.update(proposed, accepted)
         self.prior.update(proposed, accepted)
         self.paused_steps = 0
         self.k = self.best()
@@ -185,8 +194,7 @@ class GoodputDraftLength:
         if self.k == 0:
             self.paused_steps += 1
             if self.paused_steps >= self.PROBE_EVERY:
-                rows = self.cost.rows()
-                self.k = max(range(1, self.max_len + 1), key=lambda k: self.tokens_per_ms(k, rows))
+                self.k = self._argmax(1, self.cost.rows())
 
 
 AdaptiveLength = DraftLength | GoodputDraftLength
@@ -194,8 +202,9 @@ AdaptiveLength = DraftLength | GoodputDraftLength
 
 def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,
                       prior: AcceptancePrior | None = None):
-    """The per-session draft length: goodput when adaptive and the target reported its forward costs,
-    otherwise transformers' heuristic (adaptive) or fixed."""
+    """The per-session draft length: goodput when adaptive and the target reported its forward costs (it ignores
+    `start`: its first k comes from the costs and the prior), otherwise transformers' heuristic (adaptive) or
+    fixed, starting at `start`."""
     if adaptive and policy == "goodput" and cost is not None and cost.max_tokens >= 2:
-        return GoodputDraftLength(start, max_len, cost, prior)
+        return GoodputDraftLength(max_len, cost, prior)
     return DraftLength(start, max_len, adaptive)

@@ -18,7 +18,7 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
-from orchestrator.draft_length import AcceptancePrior, AdaptiveLength, TargetCost, make_draft_length
+from orchestrator.draft_length import AcceptancePrior, AdaptiveLength, Ema, TargetCost, make_draft_length
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
@@ -98,15 +98,13 @@ class AcceptanceWindow:
                 "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
 
 
-class StepTimer:
+class StepTimer(Ema):
     """EMA of a step's duration: the target forward (shared by all sessions; it sets the draft deadline) or a
-    session's Propose round trip (what a prefetch saves)."""
+    session's Propose round trip (what a prefetch saves). 0 until measured."""
 
-    def __init__(self):
-        self.ms = 0.0
-
-    def observe(self, ms: float) -> None:
-        self.ms = ms if self.ms == 0 else 0.8 * self.ms + 0.2 * ms
+    @property
+    def ms(self) -> float:
+        return self.get(0.0)
 
 
 def _valid_distributions(msgs, vocab_size: int) -> bool:

@@ -23,6 +23,19 @@ def run_concurrently(fn, n: int, timeout_s: float = 120) -> list:
     return results
 
 
+def alone_then_together(stack, n: int) -> tuple:
+    """One prompt generated alone, then n prompts concurrently; every output must equal target-only decoding.
+    Returns (the lone result, the concurrent results)."""
+    prompts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(n)]
+    refs = [stack.client.generate(p, max_new_tokens=40, speculation=False, ignore_eos=True).token_ids
+            for p in prompts]
+    alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
+    assert alone.token_ids == refs[0]
+    results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True), n)
+    assert [r.token_ids for r in results] == refs
+    return alone, results
+
+
 def test_batched_forward_matches_separate_forwards():
     loaded = model(TARGET)
     lm = CachedLM(loaded, SessionCacheStore())
@@ -132,15 +145,8 @@ def test_speculation_turns_off_above_the_session_limit(redis_url):
     cfg = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=5000, speculation_max_sessions=1)
     stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg, batch_window_ms=5)
     try:
-        prompts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(4)]
-        refs = [stack.client.generate(p, max_new_tokens=40, speculation=False, ignore_eos=True).token_ids
-                for p in prompts]
-        alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
-        assert alone.token_ids == refs[0]
+        alone, results = alone_then_together(stack, 4)
         assert alone.stats["load_shed_steps"] == 0 and alone.stats["verify_steps"] > 0
-        results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True),
-                                   len(prompts))
-        assert [r.token_ids for r in results] == refs
         assert sum(r.stats["load_shed_steps"] for r in results) > 0
         assert all(r.stats["decode_ms"] > 0 for r in results if r.stats["decode_steps"])
     finally:
@@ -161,7 +167,8 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     gen.propose_time.observe(0.4)
     pays = Generation._prefetch_pays
     assert not pays(gen)                       # cheap drafter: nothing to hide
-    gen.propose_time.ms, gen.full_block_rate = 20.0, 0.7
+    gen.propose_time, gen.full_block_rate = StepTimer(), 0.7
+    gen.propose_time.observe(20.0)
     assert pays(gen)                           # 14 ms expected saving
     gen.full_block_rate = 0.03
     assert not pays(gen)                       # blocks are rarely fully accepted: prefetches are wasted
@@ -269,14 +276,7 @@ def test_goodput_drafts_less_as_the_batch_grows(redis_url):
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg, batch_window_ms=5, forward_ms=prof)
     try:
-        prompts = [[i + 1, (i * 7) % 60 + 2, (i * 13) % 61 + 1] for i in range(8)]
-        refs = [stack.client.generate(p, max_new_tokens=40, speculation=False, ignore_eos=True).token_ids
-                for p in prompts]
-        alone = stack.client.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
-        assert alone.token_ids == refs[0]
-        results = run_concurrently(lambda i: stack.client.generate(prompts[i], max_new_tokens=40, ignore_eos=True),
-                                   len(prompts))
-        assert [r.token_ids for r in results] == refs
+        alone, results = alone_then_together(stack, 8)
 
         def drafted_per_step(stats_list):
             steps = sum(s["verify_steps"] + s["speculation_paused_steps"] for s in stats_list)

@@ -19,13 +19,13 @@ def test_heuristic_grows_on_full_blocks_and_shrinks_on_rejections():
 
 
 def test_goodput_uses_the_flat_part_of_the_verify_cost():
-    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    d = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     assert d.alpha == pytest.approx(0.5)
     assert d.k == 5  # 6 tokens cost the same as 2: draft up to there, not beyond (the next size costs more)
 
 
 def test_goodput_follows_acceptance():
-    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    d = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     for _ in range(10):
         d.update(d.k, d.k)  # everything accepted: longer blocks pay even though they cost more
     assert d.alpha > 0.9 and d.k >= 10
@@ -41,7 +41,7 @@ def test_goodput_follows_acceptance():
 
 
 def test_goodput_pauses_then_probes():
-    d = GoodputDraftLength(4, 16, TargetCost([10.0 * n for n in range(1, 18)]))  # cost linear in tokens
+    d = GoodputDraftLength(16, TargetCost([10.0 * n for n in range(1, 18)]))  # cost linear in tokens
     assert d.k == 0  # E(k) <= k + 1 tokens for k + 1 times the cost: speculation never pays
     for _ in range(GoodputDraftLength.PROBE_EVERY - 1):
         d.step_taken()
@@ -53,8 +53,8 @@ def test_goodput_pauses_then_probes():
 
 
 def test_goodput_weighs_the_draft_cost():
-    cheap = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
-    slow = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6))
+    cheap = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
+    slow = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     for d, per_token in ((cheap, 0.1), (slow, 15.0)):
         for _ in range(5):
             d.observe_draft(wall_ms=1.0 + 4 * per_token, draft_ms=4 * per_token, tokens=4)
@@ -79,7 +79,7 @@ def test_goodput_needs_a_profile_else_heuristic():
     assert isinstance(make_draft_length(4, 16, True, "heuristic", TargetCost(FLAT_TO_6)), DraftLength)
     fixed = make_draft_length(4, 16, False, "goodput", TargetCost(FLAT_TO_6))
     assert isinstance(fixed, DraftLength) and not fixed.adaptive
-    assert GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6[:3])).max_len == 2  # never beyond the profile
+    assert GoodputDraftLength(16, TargetCost(FLAT_TO_6[:3])).max_len == 2  # never beyond the profile
 
 
 def test_target_profile_is_measured_and_non_decreasing():
@@ -101,8 +101,8 @@ def test_a_short_run_of_rejections_does_not_pause_a_good_drafter():
     prior = AcceptancePrior()
     for _ in range(100):
         prior.update(5, 3)  # other sessions: 3 of 5 accepted per block
-    d = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6), prior)
-    alone = GoodputDraftLength(4, 16, TargetCost(FLAT_TO_6), AcceptancePrior())
+    d = GoodputDraftLength(16, TargetCost(FLAT_TO_6), prior)
+    alone = GoodputDraftLength(16, TargetCost(FLAT_TO_6), AcceptancePrior())
     for _ in range(5):
         d.update(max(d.k, 1), 0)
         alone.update(max(alone.k, 1), 0)
@@ -115,13 +115,13 @@ def test_goodput_costs_a_block_as_part_of_a_batch():
     prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]  # flat to 6 tokens, then linear
     sessions = [1]
     cost = TargetCost(prof, max_batch=16, sessions=lambda: sessions[0])
-    alone = GoodputDraftLength(4, 16, cost)
+    alone = GoodputDraftLength(16, cost)
     assert alone.k == 5
     sessions[0] = 8
-    busy = GoodputDraftLength(4, 16, cost)
+    busy = GoodputDraftLength(16, cost)
     assert busy.k == 0
     assert cost.step_ms(3, rows=30) > cost.step_ms(3, rows=25) > cost.forward(68)  # extrapolated past the profile
-    unbatched = GoodputDraftLength(4, 16, TargetCost(prof, max_batch=1, sessions=lambda: 8))
+    unbatched = GoodputDraftLength(16, TargetCost(prof, max_batch=1, sessions=lambda: 8))
     assert unbatched.k == 5  # an unbatched target serves sessions one forward at a time: no batch to share
 
 
