@@ -48,7 +48,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import cpu_kernels
+from specdec import cpu_kernels, ragged_batch
 
 logger = logging.getLogger("specdec.models")
 
@@ -100,6 +100,7 @@ class LoadedModel:
     max_context: int  # config.max_position_embeddings
     eos_token_ids: list[int]
     fingerprint: str  # tokenizer_fingerprint(tokenizer)
+    ragged_batch: bool = False  # batched forwards attend per session cache (specdec/ragged_batch.py)
 
 
 # --------------------------------------------------------------------------
@@ -604,8 +605,10 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto",
-               prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS) -> LoadedModel:
-    """prepack: auto | on | off: oneDNN-prepacked weights for the larger linears on CPU (specdec/cpu_kernels.py)."""
+               prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS, ragged: bool = True) -> LoadedModel:
+    """prepack: auto | on | off: oneDNN-prepacked weights for the larger linears on CPU (specdec/cpu_kernels.py).
+    ragged: batched forwards attend per session cache where the architecture allows (specdec/ragged_batch.py);
+    False keeps the padded batch."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty model spec {spec!r}")
     spec = spec.strip()
@@ -657,6 +660,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         vocab_size = int(model.config.vocab_size)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length)
     packed = cpu_kernels.prepack_linears(model, prepack_min_elements) if cpu_kernels.should_prepack(prepack, dev) else 0
+    ragged = ragged_batch.enable(model) if ragged else False
 
     loaded = LoadedModel(
         model=model,
@@ -668,9 +672,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         max_context=max_context,
         eos_token_ids=eos,
         fingerprint=tokenizer_fingerprint(tok),
+        ragged_batch=ragged,
     )
     logger.info(
-        "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears)",
+        "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears, ragged batch %s)",
         spec,
         source,
         dev,
@@ -680,5 +685,6 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         max_context,
         eos,
         packed,
+        ragged,
     )
     return loaded

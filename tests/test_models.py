@@ -105,7 +105,9 @@ def test_tiny_metadata():
     assert not lm.model.training
     assert all(not p.requires_grad for p in lm.model.parameters())
     assert lm.model.generation_config.pad_token_id == 0
-    assert lm.model.config._attn_implementation == "sdpa"
+    # sdpa for ordinary calls, per-session attention in batched forwards (specdec/ragged_batch.py)
+    assert lm.model.config._attn_implementation == "specdec" and lm.ragged_batch
+    assert M.load_model("tiny", ragged=False).model.config._attn_implementation == "sdpa"
     assert _logits(lm, [1, 2, 3]).shape == (3, 64)
 
     lm = M.load_model("tiny:vocab=100, layers=1, hidden=32, heads=2, kv_heads=1, inter=48, ctx=256, seed=7")

@@ -1,0 +1,147 @@
+"""One forward pass over several sessions that each keep their own KV cache, at their own lengths.
+
+A padded batch must first copy every session's cache into one left-padded tensor, let the model concatenate the
+new keys onto that, copy each row back out, and (for grouped-query attention with a padding mask) expand the keys
+to every query head: measured on SmolLM2-135M (8 sessions x 3 new tokens, ~200 tokens of context, 1 CPU thread)
+a third of the forward was those copies. Here the batch shares only the new tokens: each row's keys and values go
+straight into that session's own cache, and attention runs per row against that cache, with the query heads of a
+group stacked so one key/value head serves them without being repeated. Rows are right-aligned (a row with fewer
+new tokens is padded on the left; its padding is neither cached nor attended), so every row's last token sits at
+the same position and `logits_to_keep` still works.
+
+The model's attention implementation is set to "specdec" (registered here), which is transformers' own sdpa for
+every ordinary call (tree masks, HF generate) and this per-row attention only when the cache is a `RaggedRows`.
+Only architectures whose attention is plain causal softmax attention (no sliding window, soft-capping or sinks)
+are switched; others keep the padded batch (specdec/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+IMPLEMENTATION = "specdec"
+PACKED_MAX_TOKENS = 16  # up to this many new tokens a row stacks its query heads; a prefill uses sdpa's GQA
+# Model types whose attention is `cache.update` then plain causal attention over the result (checked by
+# tests/test_ragged_batch.py for each).
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+_registered = threading.Lock()
+_done = False
+
+
+def _register() -> None:
+    global _done
+    with _registered:
+        if not _done:
+            AttentionInterface.register(IMPLEMENTATION, attention)
+            AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # ordinary calls get sdpa's masks
+            _done = True
+
+
+def supports(model) -> bool:
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager", IMPLEMENTATION)
+
+
+def enable(model) -> bool:
+    """Switch `model` to the "specdec" attention when its architecture allows; whether it did."""
+    if not supports(model):
+        return False
+    _register()
+    model.config._attn_implementation = IMPLEMENTATION
+    return True
+
+
+class RaggedRows:
+    """Stands in for the cache during one batched forward: row i's new keys and values are appended to
+    caches[i] (its last `lengths[i]` input positions; the rest is left padding), and attention reads them back
+    per row."""
+
+    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int):
+        self.caches = caches
+        self.starts = [width - n for n in lengths]
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor | None] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._kv = [cache.update(key_states[i : i + 1, :, s:], value_states[i : i + 1, :, s:], layer_idx)
+                    for i, (cache, s) in enumerate(zip(self.caches, self.starts))]
+        return self, self
+
+    def packed_mask(self, m: int, length: int, groups: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """Additive causal mask for m queries at the end of `length` keys, repeated for `groups` stacked heads
+        (the same for every layer, so built once per forward)."""
+        if m == 1:
+            return None
+        key = (m, length, groups, dtype)
+        if key not in self._masks:
+            allowed = torch.arange(length, device=device)[None, :] <= (length - m + torch.arange(m, device=device))[:, None]
+            mask = torch.zeros(m, length, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+            self._masks[key] = mask.repeat(groups, 1)
+        return self._masks[key]
+
+
+def _row_attention(rows: RaggedRows, i: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scaling: float | None) -> torch.Tensor:
+    """Attention of row i's real queries [1, H, m, D] against its whole cache; returns [m, H, D]."""
+    _, heads, m, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if m <= PACKED_MAX_TOKENS:
+        # Heads h = j * groups + r share key/value head j: stack them along the query axis.
+        packed = query.reshape(1, kv_heads, groups * m, dim)
+        mask = rows.packed_mask(m, length, groups, query.dtype, query.device)
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+        return out.view(heads, m, dim).transpose(0, 1)
+    if length == m:  # a prompt on an empty cache: plain causal
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        allowed = torch.arange(length, device=query.device)[None, :] <= (
+            length - m + torch.arange(m, device=query.device))[:, None]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The "specdec" attention implementation: per-row attention for a RaggedRows forward, sdpa otherwise."""
+    if not isinstance(key, RaggedRows):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"ragged batch attention does not support {unsupported}")
+    rows = key
+    batch, heads, width, dim = query.shape
+    out = query.new_zeros(batch, width, heads, dim)  # left padding's output: never read
+    for i, ((k, v), s) in enumerate(zip(rows._kv, rows.starts)):
+        out[i, s:] = _row_attention(rows, i, query[i : i + 1, :, s:], k, v, scaling)
+    return out, None
+
+
+@torch.inference_mode()
+def forward_rows(model, caches: list[DynamicCache], cached_lens: list[int], new_tokens: list[list[int]],
+                 keep: int, device) -> torch.Tensor:
+    """Feed new_tokens[i] after the cached_lens[i] tokens in caches[i] (appended in place), all in one forward.
+    Returns logits [rows, keep, V] of each row's last `keep` positions (keep <= every row's length)."""
+    width = max(len(new) for new in new_tokens)
+    lengths = [len(new) for new in new_tokens]
+    ids = torch.tensor([[new[0]] * (width - len(new)) + list(new) for new in new_tokens], dtype=torch.long,
+                       device=device)
+    start = torch.tensor([c - (width - n) for c, n in zip(cached_lens, lengths)], device=device)
+    positions = (start[:, None] + torch.arange(width, device=device)[None, :]).clamp_(min=0)  # padding: any position
+    rows = RaggedRows(caches, lengths, width)
+    # A prepared 4D mask makes transformers skip building one (RaggedRows has no mask sizes); attention ignores it.
+    unused_mask = torch.ones(len(new_tokens), 1, width, 1, dtype=torch.bool, device=device)
+    out = model(input_ids=ids, attention_mask=unused_mask, position_ids=positions, cache=rows, use_cache=True,
+                logits_to_keep=0 if keep >= width else keep)
+    return out.logits

@@ -1,0 +1,102 @@
+"""Ragged batches (specdec/ragged_batch.py): rows at different lengths, each attending to its own cache, give the
+logits of a plain full-sequence forward, for every architecture the module claims to support."""
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from specdec import ragged_batch
+from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
+from tests.harness import TARGET, model
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512)
+
+
+def _build(config):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():  # transformers' init is small enough to make every logit a near-tie: widen it
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    return m.eval()
+
+
+ARCHITECTURES = {
+    "llama-mha": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=4),
+    "llama-gqa": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=False),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=16),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_ragged_rows_match_full_forwards(arch):
+    m = _build(ARCHITECTURES[arch]())
+    assert ragged_batch.enable(m)
+    contexts = [[1, 5, 9, 12, 5, 9, 3, 4], [2, 3], [7] * 40, [], [8, 1]]
+    news = [[10, 11, 12], [13], [14, 15, 16, 17, 18], [1, 2, 3, 4, 5, 6, 7], [9] * 20]  # the last: wider than packed
+    caches = []
+    with torch.no_grad():
+        for ctx in contexts:
+            cache = DynamicCache()
+            if ctx:
+                m(input_ids=torch.tensor([ctx]), cache=cache, use_cache=True)
+            caches.append(cache)
+        logits = ragged_batch.forward_rows(m, caches, [len(c) for c in contexts], news, keep=1, device="cpu")
+        for i, (ctx, new) in enumerate(zip(contexts, news)):
+            want = m(input_ids=torch.tensor([ctx + new])).logits[0, -1]
+            torch.testing.assert_close(logits[i, -1], want, rtol=1e-4, atol=1e-4)
+            assert caches[i].get_seq_length() == len(ctx + new)  # padding was not cached
+        # The caches are exact: one more ragged step, all rows one token, every position kept.
+        step = ragged_batch.forward_rows(m, caches, [len(c + n) for c, n in zip(contexts, news)], [[3]] * 5, keep=1,
+                                         device="cpu")
+        for i, (ctx, new) in enumerate(zip(contexts, news)):
+            want = m(input_ids=torch.tensor([ctx + new + [3]])).logits[0, -1]
+            torch.testing.assert_close(step[i, -1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_ordinary_calls_are_plain_sdpa():
+    """Switching the attention implementation must not change a forward that is not a ragged batch (tree masks,
+    HF generate): same logits as an untouched copy of the model, with and without a padding mask."""
+    plain = _build(ARCHITECTURES["llama-gqa"]())
+    switched = _build(ARCHITECTURES["llama-gqa"]())
+    assert ragged_batch.enable(switched)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 1, 2, 3]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(switched(input_ids=ids, attention_mask=mask).logits,
+                                   plain(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_unsupported_architectures_keep_the_padded_batch():
+    sliding = _build(transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=16))
+    assert not ragged_batch.enable(sliding)
+    assert sliding.config._attn_implementation == "sdpa"
+    gemma = _build(transformers.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16))
+    assert not ragged_batch.enable(gemma)
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_batched_extend_matches_single_extends_on_both_paths(ragged):
+    """extend_batch through either path: the same logits and caches as one CachedLM.extend per session."""
+    import dataclasses
+
+    loaded = dataclasses.replace(model(TARGET), ragged_batch=ragged)
+    lm = CachedLM(loaded, SessionCacheStore())
+    contexts = [[1, 5, 9, 12, 5, 9, 3, 4], [2, 3], [7] * 20, [4]]
+    news = [[10, 11, 12], [13], [14, 15, 16, 17, 18], [1, 2]]
+    batched = [lm.store.get(f"b{i}") for i in range(4)]
+    single = [lm.store.get(f"s{i}") for i in range(4)]
+    for b, s, ctx in zip(batched, single, contexts):
+        lm.extend(b, ctx)
+        lm.extend(s, ctx)
+    got = extend_batch(lm, list(zip(batched, news)), keep=[2, 1, 3, 2])
+    for b, s, new, g in zip(batched, single, news, got):
+        want = lm.extend(s, new, keep=g.shape[0])
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+        assert b.tokens == s.tokens and b.cache.get_seq_length() == len(s.tokens)
