@@ -5,6 +5,14 @@ from __future__ import annotations
 import pathlib
 
 
+def batch_label(row: dict) -> str:
+    """The batching target's flags, as a sessions row records them."""
+    label = f"--batch-window-ms {row['batch_window_ms']:g}"
+    if row.get("batch_wait_fraction") is not None:
+        label += f" --batch-wait-fraction {row['batch_wait_fraction']:g}"
+    return label
+
+
 def _f(x, nd=2, suffix=""):
     if x is None:
         return "n/a"
@@ -115,7 +123,7 @@ def markdown(res: dict) -> str:
             if not r.get("available"):
                 lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | | |")
                 continue
-            lines.append(f"| {r['sweep']}{' (--batch-window-ms ' + _f(r['batch_window_ms'], 1) + ')' if r.get('batched_verification') else ''} "
+            lines.append(f"| {r['sweep']}{' (' + batch_label(r) + ')' if r.get('batched_verification') else ''} "
                          f"| {r['sessions']} | {_f(r['tokens_per_s'])} | {_f(r['throughput_vs_1_session'])} | "
                          f"{_f(r['mean_session_tokens_per_s'])} | {_f(r.get('acceptance_rate'))} | "
                          f"{_f(r.get('target_verify_ms_per_step'), 1)} | {_f(r.get('load_shed_step_fraction'))} |")
@@ -214,7 +222,7 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
         rows.sort(key=lambda r: r["sessions"])
         n = [r["sessions"] for r in rows]
         tps = [r["tokens_per_s"] for r in rows]
-        label = name + (f" (--batch-window-ms {rows[0]['batch_window_ms']:g})" if rows[0].get("batched_verification") else "")
+        label = name + (f" ({batch_label(rows[0])})" if rows[0].get("batched_verification") else "")
         ax2.plot(n, tps, "o-", color=colors.get(name), lw=2, ms=7, label=label)
         for x, y, r in zip(n, tps, rows):
             ax2.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from bench import analysis
+from bench.report import batch_label
 from bench.prompts import Prompt, encode, select
 
 log = logging.getLogger("bench")
@@ -110,11 +111,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="at least this many generations per session count and round (default 0: the least common "
                         "multiple of the session count and the sweep's prompt count, so every client thread gets "
                         "the same number of generations and every prompt runs equally often)")
+    p.add_argument("--session-gens-per-client", type=int, default=2,
+                   help="at least this many generations per client thread: with one each, the aggregate measures "
+                        "mostly the ramp-up (every prompt prefilled at once) and the tail, not concurrent decoding")
     p.add_argument("--session-prompts", type=int, default=4, help="prompts the sessions sweep cycles through")
     p.add_argument("--unbatched-sweep", action=argparse.BooleanOptionalAction, default=None,
                    help="also sweep sessions without --batch-window-ms (default: on; off in quick mode "
                         "when batching is available)")
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
+    p.add_argument("--batch-wait-fraction", type=float, default=0.5,
+                   help="target --batch-wait-fraction for the sessions sweep (where the checkout has it)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the draft model proposes only ids below N (draft --draft-vocab; 0 = all)")
     p.add_argument("--speculation-max-sessions", type=int, default=0,
@@ -213,6 +219,14 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
         for name in [n for n in specs if n.startswith("orch-pipe-auto")]:
             specs[name + "-batched"] = ("target-batched", [*specs[name][1], *sessions_sweep_flags(args, flags)])
     return specs
+
+
+def session_job_count(args, n: int, n_prompts: int) -> int:
+    """Generations at n sessions: a multiple of lcm(n, prompts) (every client thread gets as many, every prompt runs
+    as often), at least --session-jobs and --session-gens-per-client per thread."""
+    unit = math.lcm(n, n_prompts)
+    want = max(args.session_jobs, args.session_gens_per_client * n)
+    return unit * max(1, -(-want // unit))
 
 
 def sessions_sweep_flags(args, flags: dict) -> list[str]:
@@ -614,7 +628,7 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
 
 def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tuple[float, list[Sample]]]],
                        batched: bool, head_cfg: Config, orchestrator_flags: list[str],
-                       batch_window_ms: float | None) -> list[dict]:
+                       batch_window_ms: float | None, batch_wait_fraction: float | None = None) -> list[dict]:
     rows = []
     base = None
     for n in sorted(levels):
@@ -629,6 +643,7 @@ def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tupl
             base = tps
         row = {"name": f"{name}-{n}", "kind": "sessions", "sweep": name, "sessions": n, "available": True,
                "batched_verification": batched, "batch_window_ms": batch_window_ms,
+               "batch_wait_fraction": batch_wait_fraction,
                "configuration": head_cfg.name, "orchestrator_flags": orchestrator_flags,
                "request_max_draft_len": head_cfg.draft_len or 0, "target": address_kind,
                "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
@@ -740,7 +755,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
         return (f"not met: {_fmt(r8.get('tokens_per_s'))} tok/s aggregate at {r8.get('sessions')} sessions vs "
                 f"{_fmt(r1.get('tokens_per_s'))} at 1 ({res['machine']['cpus']} CPU cores, shared with other work; "
                 f"each model service runs {res['settings']['threads']} torch thread); batched verification "
-                f"{'on (--batch-window-ms ' + _fmt(r8.get('batch_window_ms'), 1) + ')' if r8.get('batched_verification') else 'not available'}; "
+                f"{'on (' + batch_label(r8) + ')' if r8.get('batched_verification') else 'not available'}; "
                 f"target verify per step grew from {_fmt(r1.get('target_verify_ms_per_step'))} to "
                 f"{_fmt(r8.get('target_verify_ms_per_step'))} ms ({_fmt(ratio_or_none(r8, r1))}x for "
                 f"{r8.get('sessions')}x the sessions); {_fmt(100 * (r8.get('plain_decode_step_fraction') or 0), 0)}% of "
@@ -788,6 +803,8 @@ def run(args: argparse.Namespace) -> dict:
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
                              orchestrators=orchestrator_specs(args, flags, strategy),
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
+                             batch_wait_fraction=args.batch_wait_fraction if flags["target --batch-wait-fraction"]
+                             else None,
                              draft_vocab=args.draft_vocab,
                              log_dir=args.log_dir)
     t0 = time.perf_counter()
@@ -830,8 +847,7 @@ def run(args: argparse.Namespace) -> dict:
         sweep_prompts = prompts[: max(1, min(args.session_prompts, len(prompts)))]
 
         def jobs_for(n: int) -> list[tuple[str, list[int]]]:
-            unit = math.lcm(n, len(sweep_prompts))
-            count = unit * max(1, -(-args.session_jobs // unit))
+            count = session_job_count(args, n, len(sweep_prompts))
             return [(sweep_prompts[i % len(sweep_prompts)].name, ids[sweep_prompts[i % len(sweep_prompts)].name])
                     for i in range(count)]
 
@@ -896,7 +912,9 @@ def run(args: argparse.Namespace) -> dict:
                 session_rows += summarise_sessions(name, tkind, levels, is_batched, head_cfg,
                                                    services.orchestrator_flags(extra if is_batched
                                                                                else head_cfg.orchestrator_extra),
-                                                   args.batch_window_ms if is_batched else None)
+                                                   args.batch_window_ms if is_batched else None,
+                                                   args.batch_wait_fraction
+                                                   if is_batched and flags["target --batch-wait-fraction"] else None)
             except Exception as e:  # noqa: BLE001
                 log.error("%s failed: %s", name, e)
                 session_rows.append({"name": name, "kind": "sessions", "sweep": name, "available": False,
@@ -989,12 +1007,13 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,
                      "prompts": [{"name": p.name, "kind": p.kind, "prompt_tokens": len(ids[p.name])} for p in prompts],
                      "rounds": args.rounds, "draft_lens": args.draft_lens, "sessions": args.sessions,
-                     "session_jobs": {n: math.lcm(n, min(args.session_prompts, len(prompts))) * max(
-                         1, -(-args.session_jobs // math.lcm(n, min(args.session_prompts, len(prompts)))))
-                         for n in args.sessions},
+                     "session_jobs": {n: session_job_count(args, n, min(args.session_prompts, len(prompts)))
+                                      for n in args.sessions},
                      "session_prompts": [p.name for p in prompts[: max(1, min(args.session_prompts, len(prompts)))]],
                      "batch_window_ms": args.batch_window_ms
-                     if flags["target --batch-window-ms"] else None, "threads": args.threads,
+                     if flags["target --batch-window-ms"] else None,
+                     "batch_wait_fraction": args.batch_wait_fraction
+                     if flags["target --batch-wait-fraction"] else None, "threads": args.threads,
                      "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
                      "timing": "client wall time per generation (request sent -> final message), prefill included; "
                                "tokens/s = all generated tokens / all wall time of a configuration",

@@ -43,7 +43,8 @@ def available_flags() -> dict:
     ``pipeline_modes``: the orchestrator arguments that turn pipelining on: ``["--pipeline", "on"]`` and
     ``["--pipeline", "auto"]`` for a ``--pipeline {off,on,auto}`` option, ``["--pipeline"]`` for a switch."""
     out = {"orchestrator --pipeline": False, "orchestrator --adaptive-draft-len": False,
-           "target --batch-window-ms": False, "orchestrator --speculation-max-sessions": False,
+           "target --batch-window-ms": False, "target --batch-wait-fraction": False,
+           "orchestrator --speculation-max-sessions": False,
            "orchestrator --draft local:ngram": False, "orchestrator --draft-len-policy": False,
            "pipeline_modes": {}}
     try:
@@ -68,7 +69,9 @@ def available_flags() -> dict:
     try:
         from target_service.server import add_arguments as target_args
 
-        out["target --batch-window-ms"] = "--batch-window-ms" in _parser(target_args)._option_string_actions
+        target_actions = _parser(target_args)._option_string_actions
+        out["target --batch-window-ms"] = "--batch-window-ms" in target_actions
+        out["target --batch-wait-fraction"] = "--batch-wait-fraction" in target_actions
     except Exception as e:  # noqa: BLE001
         log.warning("could not read target flags: %s", e)
     return out
@@ -85,6 +88,7 @@ class BenchServices:
     adaptive: bool = True
     orchestrators: dict = field(default_factory=dict)  # name -> (target process name, extra flags)
     batch_window_ms: float | None = None  # start a second, batching target for the sessions sweep
+    batch_wait_fraction: float | None = None  # its --batch-wait-fraction (None: the target's default)
     draft_vocab: int = 8192  # draft service --draft-vocab (model and hybrid strategies)
     log_dir: str | None = None
     redis: RedisServer | None = None
@@ -125,7 +129,9 @@ class BenchServices:
             self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common()])
             if self.batch_window_ms is not None:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
-                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms)])
+                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms),
+                                               *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
+                                                 if self.batch_wait_fraction is not None else [])])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
             dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
                                       ["--draft-vocab", str(self.draft_vocab)])

@@ -148,6 +148,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--batch-wait-fraction", type=float, default=0.5,
+                   help="a batch also waits for recently active sessions up to this fraction of the recent forward "
+                        "time (a job that misses the batch waits for that forward anyway); 0 = the window only")
+    p.add_argument("--ragged-batch", choices=["auto", "off"], default="auto",
+                   help="batched forwards attend to each session's own KV cache instead of a padded copy "
+                        "(auto: llama, qwen2, qwen3 and mistral without sliding window; specdec/ragged_batch.py)")
     p.add_argument("--profile-forward", choices=["on", "off"], default="on",
                    help="measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and "
                         "report it in GetInfo, for the orchestrator's adaptive draft length")
@@ -158,13 +164,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> None:
     import torch
 
+    if not 0.0 <= args.batch_wait_fraction <= 1.0:
+        raise SystemExit(f"--batch-wait-fraction must be between 0 and 1, got {args.batch_wait_fraction}")
     telemetry.setup("specdec-target", metrics_port=args.metrics_port)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
+                        ragged=args.ragged_batch == "auto")
     store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
     engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
-                          max_batch=args.max_batch)
+                          max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction)
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
         rows = min(engine.max_batch, 4)

@@ -117,3 +117,15 @@ def test_draft_with_another_tokenizer_is_refused():
         check_compatible(target, other)
     check_compatible(target, model_info(model("tiny:vocab=64,seed=5"), "model"))
     check_compatible(target, common_pb2.ModelInfo(model_name="ngram", strategy="ngram"))
+
+
+@pytest.mark.parametrize("fraction", ["-0.1", "1.5"])
+def test_target_refuses_a_batch_wait_fraction_outside_0_to_1(fraction):
+    import argparse
+
+    from target_service import server
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    with pytest.raises(SystemExit, match="--batch-wait-fraction must be between 0 and 1"):
+        server.serve(p.parse_args(["--model", "tiny", "--batch-window-ms", "5", "--batch-wait-fraction", fraction]))

@@ -285,3 +285,44 @@ def test_goodput_drafts_less_as_the_batch_grows(redis_url):
         assert drafted_per_step([r.stats for r in results]) < 0.7 * drafted_per_step([alone.stats])
     finally:
         stack.stop()
+
+
+def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
+    """Sessions a and b (both active) submit 60 ms apart to a batcher whose forwards take 200 ms and whose fixed
+    window is 5 ms; returns the forwards' session lists."""
+    import time
+
+    from specdec.sampling import SamplingParams
+    from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome
+
+    class SlowEngine:
+        def __init__(self):
+            self.batches: list[list[str]] = []
+
+        def verify_many(self, jobs):
+            time.sleep(0.2)
+            self.batches.append(sorted(job.session_id for job in jobs))
+            for job in jobs:
+                job.result = VerifyOutcome(0, 1, 1, 200.0, len(jobs))
+
+    engine = SlowEngine()
+    batcher = VerifyBatcher(engine, window_ms=5, wait_fraction=wait_fraction)
+
+    def submit(sid):
+        return batcher.submit(VerifyJob(sid, 0, [1], [], None, SamplingParams(), 0, 0))
+
+    submit("a"), submit("b")  # each alone: both active now, and the forward time is known
+
+    def late(i):
+        time.sleep(0.06 * i)
+        return submit("ab"[i])
+
+    run_concurrently(late, 2)
+    return engine.batches[2:]
+
+
+def test_the_batch_waits_part_of_a_forward_for_active_sessions():
+    """A job that misses a batch waits for the whole forward anyway: under load the batch waits for recently
+    active sessions up to wait_fraction of the recent forward time (here 0.5 x 200 ms), beyond the fixed window."""
+    assert _batches_of_a_late_pair(0.5) == [["a", "b"]]
+    assert _batches_of_a_late_pair(0.0) == [["a"], ["b"]]  # the 5 ms window alone: two forwards

@@ -58,7 +58,7 @@ def bench_run(tmp_path_factory):
     with contextlib.redirect_stdout(buf):
         rc = main(["--quick", "--json", "--no-progress", "--target-model", TARGET, "--draft-model", DRAFT,
                    "--draft-strategy", "model", "--num-prompts", "2", "--max-new-tokens", "10", "--warmup-tokens", "4",
-                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--tree", "--hf-target-only", "--pipe-on",
+                   "--draft-lens", "2,3", "--sessions", "1,8", "--session-jobs", "8", "--session-gens-per-client", "1", "--tree", "--hf-target-only", "--pipe-on",
                    "--out-dir", str(out)])
     assert rc == 0
     return json.loads(buf.getvalue()), out
@@ -187,3 +187,12 @@ def test_orchestrators_for_an_ngram_drafter():
     assert full["orch-heuristic"] == ("target", ["--draft-len-policy", "heuristic"])  # goodput's comparison
     full_ngram = orchestrator_specs(parse_args([]), flags, "ngram")
     assert full_ngram["orch-local"] == ("target", ["--draft", "local:ngram"])  # the local headline's twin
+
+
+def test_every_client_thread_runs_at_least_the_asked_generations():
+    from bench.runner import parse_args, session_job_count
+
+    args = parse_args(["--quick"])
+    assert [session_job_count(args, n, 4) for n in (1, 2, 4, 8)] == [4, 4, 8, 16]  # lcm(n, 4), >= 2 per thread
+    args = parse_args(["--quick", "--session-gens-per-client", "1", "--session-jobs", "6"])
+    assert [session_job_count(args, n, 4) for n in (1, 3, 8)] == [8, 12, 8]
