@@ -160,8 +160,12 @@ class CachedLM:
                                                self.loaded.device)
         else:
             ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
-            out = self.model(input_ids=ids, cache=sess.cache, use_cache=True,
-                             logits_to_keep=_keep(keep, len(new_tokens)))
+            try:
+                out = self.model(input_ids=ids, cache=sess.cache, use_cache=True,
+                                 logits_to_keep=_keep(keep, len(new_tokens)))
+            except BaseException:
+                ragged_batch.truncate_cache(sess.cache, len(sess.tokens))  # layers before the failure appended
+                raise
             sess.cache, logits = out.cache, out.logits
         sess.tokens.extend(new_tokens)
         return logits[0, :, : self.loaded.vocab_size].float()

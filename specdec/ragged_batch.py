@@ -128,6 +128,16 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out, None
 
 
+def truncate_cache(cache: DynamicCache | None, length: int) -> None:
+    """Every layer of `cache` back to its first `length` positions (views: the next append copies)."""
+    if cache is None:
+        return
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
 @torch.inference_mode()
 def forward_rows(model, caches: list[DynamicCache], cached_lens: list[int], new_tokens: list[list[int]],
                  keep: int, device) -> torch.Tensor:
@@ -142,6 +152,12 @@ def forward_rows(model, caches: list[DynamicCache], cached_lens: list[int], new_
     rows = RaggedRows(caches, lengths, width)
     # A prepared 4D mask makes transformers skip building one (RaggedRows has no mask sizes); attention ignores it.
     unused_mask = torch.ones(len(new_tokens), 1, width, 1, dtype=torch.bool, device=device)
-    out = model(input_ids=ids, attention_mask=unused_mask, position_ids=positions, cache=rows, use_cache=True,
-                logits_to_keep=0 if keep >= width else keep)
+    try:
+        out = model(input_ids=ids, attention_mask=unused_mask, position_ids=positions, cache=rows, use_cache=True,
+                    logits_to_keep=0 if keep >= width else keep)
+    except BaseException:
+        # Layers before the failure appended their keys; the caches must match the sessions' tokens again.
+        for cache, length in zip(caches, cached_lens):
+            truncate_cache(cache, length)
+        raise
     return out.logits

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import sampling
+from specdec.ragged_batch import truncate_cache
 from specdec.sampling import SamplingParams
 
 __all__ = [
@@ -172,24 +173,15 @@ def extend_tree(lm, sess, new_tokens: list[int], tree_tokens: list[int], parents
         logits = masked_forward(lm.loaded, sess.cache, list(new_tokens) + list(tree_tokens), positions,
                                 _tree_allowed(past, len(new_tokens), parents))
     except BaseException:
-        _truncate(sess.cache, past)
+        truncate_cache(sess.cache, past)
         raise
     sess.tokens.extend(new_tokens)
     return logits
 
 
-def _truncate(cache: DynamicCache | None, length: int) -> None:
-    if cache is None:
-        return
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
 def drop_tree_kv(sess) -> None:
     """Forget the KV of the tree nodes: the cache matches ``sess.tokens`` again."""
-    _truncate(sess.cache, len(sess.tokens))
+    truncate_cache(sess.cache, len(sess.tokens))
 
 
 @torch.inference_mode()
@@ -204,7 +196,7 @@ def keep_tree_path(sess, path: Sequence[int], tree_tokens: Sequence[int]) -> Non
             idx = torch.tensor([ctx + i for i in path], dtype=torch.long, device=layer.keys.device)
             layer.keys[..., ctx : ctx + len(path), :] = layer.keys.index_select(-2, idx)
             layer.values[..., ctx : ctx + len(path), :] = layer.values.index_select(-2, idx)
-    _truncate(sess.cache, ctx + len(path))
+    truncate_cache(sess.cache, ctx + len(path))
     sess.tokens.extend(int(tree_tokens[i]) for i in path)
 
 

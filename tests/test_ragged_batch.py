@@ -100,3 +100,36 @@ def test_batched_extend_matches_single_extends_on_both_paths(ragged):
         want = lm.extend(s, new, keep=g.shape[0])
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
         assert b.tokens == s.tokens and b.cache.get_seq_length() == len(s.tokens)
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
+def test_a_forward_that_fails_midway_leaves_every_cache_as_it_was(ragged):
+    """Layers before a failure have appended their keys: the caches must be cut back to the sessions' tokens,
+    or every later step of those sessions attends to garbage."""
+    import dataclasses
+
+    loaded = dataclasses.replace(model(TARGET), ragged_batch=ragged)
+    lm = CachedLM(loaded, SessionCacheStore())
+    sessions = [lm.store.get(f"f{i}") for i in range(3)]
+    for i, s in enumerate(sessions):
+        lm.extend(s, [1 + i, 2, 3, 4])
+    last = loaded.model.model.layers[-1]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure in the last layer")
+
+    last.forward = fail
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            extend_batch(lm, [(s, [5, 6]) for s in sessions])
+        with pytest.raises(RuntimeError, match="injected"):
+            lm.extend(sessions[0], [7])
+    finally:
+        del last.forward
+    for s in sessions:
+        assert [layer.keys.shape[-2] for layer in s.cache.layers] == [len(s.tokens)] * len(s.cache.layers)
+    got = extend_batch(lm, [(s, [5, 6]) for s in sessions], keep=[2] * 3)
+    for s, g in zip(sessions, got):
+        with torch.no_grad():
+            want = loaded.model(input_ids=torch.tensor([s.tokens])).logits[0, -2:].float()
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
