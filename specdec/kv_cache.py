@@ -156,8 +156,8 @@ class CachedLM:
             sess.cache = DynamicCache()
         if self.loaded.ragged_batch:  # the same attention as a batched forward (and no repeated GQA keys)
             logits = ragged_batch.forward_rows(self.model, [sess.cache], [len(sess.tokens)], [new_tokens],
-                                               keep if 0 < keep < len(new_tokens) else len(new_tokens),
-                                               self.loaded.device)
+                                               [keep if 0 < keep < len(new_tokens) else len(new_tokens)],
+                                               self.loaded.device)[0][None]
         else:
             ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
             try:
@@ -190,19 +190,20 @@ MAX_BATCHED_NEW_TOKENS = 16  # a verify block (<= 16 drafts + 1) or a decode ste
 def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: list[int] | None = None
                  ) -> list[torch.Tensor]:
     """Like CachedLM.extend for several sessions in ONE forward pass; returns each one's logits (of its last
-    keep[i] positions when `keep` is given). Inputs longer than MAX_BATCHED_NEW_TOKENS (prefills) run on their
-    own: a prompt in the batch would widen every row to its length.
+    keep[i] positions when `keep` is given).
 
-    Where the model allows (LoadedModel.ragged_batch), rows attend to their own caches (specdec/ragged_batch.py).
-    Otherwise the batch is padded: every row feeds M = max(len(new)) tokens, a row with fewer new tokens
-    re-feeding its last cached tokens (their KV is recomputed), caches are copied left-padded with masked zeros
-    to a common length, and each row gets its true position ids; rows shorter in total than M run on their own.
+    Where the model allows (LoadedModel.ragged_batch), the sessions' new tokens are packed into one sequence and
+    each attends to its own cache (specdec/ragged_batch.py); a prompt prefill joins the forward too. Otherwise
+    the batch is padded: every row feeds M = max(len(new)) tokens, a row with fewer new tokens re-feeding its
+    last cached tokens (their KV is recomputed), caches are copied left-padded with masked zeros to a common
+    length, and each row gets its true position ids; rows shorter in total than M, and inputs longer than
+    MAX_BATCHED_NEW_TOKENS (prefills, which would widen every row to their length), run on their own.
     """
     keeps = {id(s): (k if 0 < k < len(new) else len(new)) for (s, new), k in zip(items, keep or [0] * len(items))}
+    if lm.loaded.ragged_batch:
+        return _extend_packed(lm, items, keeps)
     short = [len(new) for _, new in items if len(new) <= MAX_BATCHED_NEW_TOKENS]
     m = max(short) if short else 0
-    if lm.loaded.ragged_batch:
-        return _extend_ragged(lm, items, keeps, m)
     batch, single = [], []
     for sess, new in items:
         (batch if len(new) <= m <= len(sess.tokens) + len(new) else single).append((sess, new))
@@ -253,25 +254,19 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
     return [out[id(s)] for s, _ in items]
 
 
-def _extend_ragged(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keeps: dict[int, int], m: int
+def _extend_packed(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keeps: dict[int, int]
                    ) -> list[torch.Tensor]:
-    batch = [(s, new) for s, new in items if len(new) <= m]
-    out: dict[int, torch.Tensor] = {id(s): lm.extend(s, new, keeps[id(s)]) for s, new in items if len(new) > m}
-    if len(batch) == 1:
-        s, new = batch[0]
-        out[id(s)] = lm.extend(s, new, keeps[id(s)])
-    elif batch:
-        total = max(len(s.tokens) + len(new) for s, new in batch)
-        if total > lm.loaded.max_context:
-            raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {lm.loaded.max_context}")
-        for s, _ in batch:
-            if s.cache is None:
-                s.cache = DynamicCache()
-        rows = max(keeps[id(s)] for s, _ in batch)  # every row's new tokens end at the same position
-        logits = ragged_batch.forward_rows(lm.model, [s.cache for s, _ in batch], [len(s.tokens) for s, _ in batch],
-                                           [new for _, new in batch], rows, lm.loaded.device)
-        logits = logits[:, :, : lm.loaded.vocab_size].float()
-        for i, (s, new) in enumerate(batch):
-            s.tokens.extend(new)
-            out[id(s)] = logits[i, logits.shape[1] - keeps[id(s)]:]
-    return [out[id(s)] for s, _ in items]
+    if len(items) == 1:
+        s, new = items[0]
+        return [lm.extend(s, new, keeps[id(s)])]
+    total = max(len(s.tokens) + len(new) for s, new in items)
+    if total > lm.loaded.max_context:
+        raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {lm.loaded.max_context}")
+    for s, _ in items:
+        if s.cache is None:
+            s.cache = DynamicCache()
+    logits = ragged_batch.forward_rows(lm.model, [s.cache for s, _ in items], [len(s.tokens) for s, _ in items],
+                                       [new for _, new in items], [keeps[id(s)] for s, _ in items], lm.loaded.device)
+    for s, new in items:
+        s.tokens.extend(new)
+    return [row[:, : lm.loaded.vocab_size].float() for row in logits]

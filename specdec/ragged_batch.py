@@ -2,17 +2,18 @@
 
 A padded batch must first copy every session's cache into one left-padded tensor, let the model concatenate the
 new keys onto that, copy each row back out, and (for grouped-query attention with a padding mask) expand the keys
-to every query head: measured on SmolLM2-135M (8 sessions x 3 new tokens, ~200 tokens of context, 1 CPU thread)
-a third of the forward was those copies. Here the batch shares only the new tokens: each row's keys and values go
-straight into that session's own cache, and attention runs per row against that cache, with the query heads of a
-group stacked so one key/value head serves them without being repeated. Rows are right-aligned (a row with fewer
-new tokens is padded on the left; its padding is neither cached nor attended), so every row's last token sits at
-the same position and `logits_to_keep` still works.
+to every query head; and every row feeds as many tokens as the longest. Measured on SmolLM2-135M (8 sessions x 3
+new tokens, ~200 tokens of context, 1 CPU thread) a third of the forward was those copies. Here the sessions'
+new tokens are packed into one sequence (no padding: a block of 5 and seven decode steps are 12 tokens, not 40),
+each session's keys and values go straight into its own cache, and attention runs per session against that
+cache, with the query heads of a group stacked so one key/value head serves them without being repeated. Only
+the positions a caller reads reach the LM head.
 
 The model's attention implementation is set to "specdec" (registered here), which is transformers' own sdpa for
-every ordinary call (tree masks, HF generate) and this per-row attention only when the cache is a `RaggedRows`.
-Only architectures whose attention is plain causal softmax attention (no sliding window, soft-capping or sinks)
-are switched; others keep the padded batch (specdec/kv_cache.py).
+every ordinary call (tree masks, HF generate) and this per-session attention only when the cache is a
+`RaggedRows`. Only architectures whose attention is plain causal softmax attention (no sliding window,
+soft-capping or sinks) and whose LM head is a plain projection are switched; others keep the padded batch
+(specdec/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 IMPLEMENTATION = "specdec"
-PACKED_MAX_TOKENS = 16  # up to this many new tokens a row stacks its query heads; a prefill uses sdpa's GQA
+PACKED_MAX_TOKENS = 16  # up to this many new tokens a session stacks its query heads; a prefill uses sdpa's GQA
 # Model types whose attention is `cache.update` then plain causal attention over the result (checked by
 # tests/test_ragged_batch.py for each).
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
@@ -63,19 +64,20 @@ def enable(model) -> bool:
 
 
 class RaggedRows:
-    """Stands in for the cache during one batched forward: row i's new keys and values are appended to
-    caches[i] (its last `lengths[i]` input positions; the rest is left padding), and attention reads them back
-    per row."""
+    """Stands in for the cache during one packed forward: the positions offsets[i] .. offsets[i] + lengths[i] of
+    the sequence are session i's new tokens; their keys and values are appended to caches[i], and attention
+    reads them back per session."""
 
-    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int):
+    def __init__(self, caches: list[DynamicCache], lengths: list[int]):
         self.caches = caches
-        self.starts = [width - n for n in lengths]
+        self.lengths = lengths
+        self.offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor | None] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._kv = [cache.update(key_states[i : i + 1, :, s:], value_states[i : i + 1, :, s:], layer_idx)
-                    for i, (cache, s) in enumerate(zip(self.caches, self.starts))]
+        self._kv = [cache.update(key_states[:, :, o : o + n], value_states[:, :, o : o + n], layer_idx)
+                    for cache, o, n in zip(self.caches, self.offsets, self.lengths)]
         return self, self
 
     def packed_mask(self, m: int, length: int, groups: int, dtype: torch.dtype, device) -> torch.Tensor | None:
@@ -91,9 +93,9 @@ class RaggedRows:
         return self._masks[key]
 
 
-def _row_attention(rows: RaggedRows, i: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _row_attention(rows: RaggedRows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    scaling: float | None) -> torch.Tensor:
-    """Attention of row i's real queries [1, H, m, D] against its whole cache; returns [m, H, D]."""
+    """Attention of one session's queries [1, H, m, D] against its whole cache; returns [m, H, D]."""
     _, heads, m, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -121,10 +123,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"ragged batch attention does not support {unsupported}")
     rows = key
-    batch, heads, width, dim = query.shape
-    out = query.new_zeros(batch, width, heads, dim)  # left padding's output: never read
-    for i, ((k, v), s) in enumerate(zip(rows._kv, rows.starts)):
-        out[i, s:] = _row_attention(rows, i, query[i : i + 1, :, s:], k, v, scaling)
+    _, heads, total, dim = query.shape
+    out = query.new_empty(1, total, heads, dim)
+    for (k, v), o, n in zip(rows._kv, rows.offsets, rows.lengths):
+        out[0, o : o + n] = _row_attention(rows, query[:, :, o : o + n], k, v, scaling)
     return out, None
 
 
@@ -140,24 +142,24 @@ def truncate_cache(cache: DynamicCache | None, length: int) -> None:
 
 @torch.inference_mode()
 def forward_rows(model, caches: list[DynamicCache], cached_lens: list[int], new_tokens: list[list[int]],
-                 keep: int, device) -> torch.Tensor:
+                 keep: list[int], device) -> list[torch.Tensor]:
     """Feed new_tokens[i] after the cached_lens[i] tokens in caches[i] (appended in place), all in one forward.
-    Returns logits [rows, keep, V] of each row's last `keep` positions (keep <= every row's length)."""
-    width = max(len(new) for new in new_tokens)
+    Returns each row's logits [keep[i], V] for its last keep[i] positions (1 <= keep[i] <= len(new_tokens[i]))."""
     lengths = [len(new) for new in new_tokens]
-    ids = torch.tensor([[new[0]] * (width - len(new)) + list(new) for new in new_tokens], dtype=torch.long,
-                       device=device)
-    start = torch.tensor([c - (width - n) for c, n in zip(cached_lens, lengths)], device=device)
-    positions = (start[:, None] + torch.arange(width, device=device)[None, :]).clamp_(min=0)  # padding: any position
-    rows = RaggedRows(caches, lengths, width)
+    total = sum(lengths)
+    ids = torch.tensor([[t for new in new_tokens for t in new]], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(c, c + n, device=device) for c, n in zip(cached_lens, lengths)])[None]
+    rows = RaggedRows(caches, lengths)
+    read = torch.cat([torch.arange(o + n - k, o + n, device=device)
+                      for o, n, k in zip(rows.offsets, lengths, keep)])  # the LM head runs on these only
     # A prepared 4D mask makes transformers skip building one (RaggedRows has no mask sizes); attention ignores it.
-    unused_mask = torch.ones(len(new_tokens), 1, width, 1, dtype=torch.bool, device=device)
+    unused_mask = torch.ones(1, 1, total, 1, dtype=torch.bool, device=device)
     try:
         out = model(input_ids=ids, attention_mask=unused_mask, position_ids=positions, cache=rows, use_cache=True,
-                    logits_to_keep=0 if keep >= width else keep)
+                    logits_to_keep=read)
     except BaseException:
         # Layers before the failure appended their keys; the caches must match the sessions' tokens again.
         for cache, length in zip(caches, cached_lens):
             truncate_cache(cache, length)
         raise
-    return out.logits
+    return list(out.logits[0].split(keep))

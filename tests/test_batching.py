@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 import torch
 
 from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
@@ -176,11 +178,15 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     assert not pays(gen)                       # right after a rejection
 
 
-def test_a_prefill_in_the_batch_runs_alone():
-    """A long input (a new session's prompt) must not make every other row re-feed that many tokens."""
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "packed"])
+def test_a_prefill_in_the_batch_pads_no_row(ragged):
+    """A long input (a new session's prompt) must not make every other row feed that many tokens: the padded
+    batch runs it on its own; the packed batch carries it in the same forward without padding anyone."""
+    import dataclasses
+
     from specdec.kv_cache import MAX_BATCHED_NEW_TOKENS
 
-    loaded = model(TARGET)
+    loaded = dataclasses.replace(model(TARGET), ragged_batch=ragged)
     lm = CachedLM(loaded, SessionCacheStore())
     shapes = []
     forward = loaded.model.forward
@@ -202,7 +208,10 @@ def test_a_prefill_in_the_batch_runs_alone():
         out = extend_batch(lm, list(zip(sessions, news)), keep=[1, 3, 1, 1])
     finally:
         loaded.model.forward = forward
-    assert sorted(shapes) == [(1, len(prompt)), (3, 3)]  # the prompt alone; the rest as one batch of width 3
+    if ragged:
+        assert shapes == [(1, 5 + len(prompt))]  # one forward, 5 tokens + the prompt
+    else:
+        assert sorted(shapes) == [(1, len(prompt)), (3, 3)]  # the prompt alone; the rest as one batch of width 3
     for s, new, got in zip(sessions, news, out):
         with torch.no_grad():
             want = loaded.model(input_ids=torch.tensor([s.tokens])).logits[0, -got.shape[0]:].float()

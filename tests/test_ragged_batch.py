@@ -1,5 +1,6 @@
-"""Ragged batches (specdec/ragged_batch.py): rows at different lengths, each attending to its own cache, give the
-logits of a plain full-sequence forward, for every architecture the module claims to support."""
+"""Ragged batches (specdec/ragged_batch.py): sessions at different lengths, their new tokens packed into one
+sequence and each attending to its own cache, give the logits of a plain full-sequence forward, for every
+architecture the module claims to support."""
 
 import pytest
 import torch
@@ -47,17 +48,18 @@ def test_ragged_rows_match_full_forwards(arch):
             if ctx:
                 m(input_ids=torch.tensor([ctx]), cache=cache, use_cache=True)
             caches.append(cache)
-        logits = ragged_batch.forward_rows(m, caches, [len(c) for c in contexts], news, keep=1, device="cpu")
+        keep = [3, 1, 5, 2, 1]
+        logits = ragged_batch.forward_rows(m, caches, [len(c) for c in contexts], news, keep, device="cpu")
         for i, (ctx, new) in enumerate(zip(contexts, news)):
-            want = m(input_ids=torch.tensor([ctx + new])).logits[0, -1]
-            torch.testing.assert_close(logits[i, -1], want, rtol=1e-4, atol=1e-4)
-            assert caches[i].get_seq_length() == len(ctx + new)  # padding was not cached
-        # The caches are exact: one more ragged step, all rows one token, every position kept.
-        step = ragged_batch.forward_rows(m, caches, [len(c + n) for c, n in zip(contexts, news)], [[3]] * 5, keep=1,
-                                         device="cpu")
+            want = m(input_ids=torch.tensor([ctx + new])).logits[0, -keep[i]:]
+            torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+            assert caches[i].get_seq_length() == len(ctx + new)
+        # The caches are exact: one more packed step, every row one token.
+        step = ragged_batch.forward_rows(m, caches, [len(c + n) for c, n in zip(contexts, news)], [[3]] * 5,
+                                         [1] * 5, device="cpu")
         for i, (ctx, new) in enumerate(zip(contexts, news)):
-            want = m(input_ids=torch.tensor([ctx + new + [3]])).logits[0, -1]
-            torch.testing.assert_close(step[i, -1], want, rtol=1e-4, atol=1e-4)
+            want = m(input_ids=torch.tensor([ctx + new + [3]])).logits[0, -1:]
+            torch.testing.assert_close(step[i], want, rtol=1e-4, atol=1e-4)
 
 
 def test_ordinary_calls_are_plain_sdpa():
