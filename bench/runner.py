@@ -797,14 +797,15 @@ def run(args: argparse.Namespace) -> dict:
         mark[0] = now
 
     flags = available_flags()
+    if not flags["target --batch-wait-fraction"]:
+        args.batch_wait_fraction = None  # an older checkout's target: its batches wait the window only
     strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                                                   draft_model=args.draft_model))
     services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
                              dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
                              orchestrators=orchestrator_specs(args, flags, strategy),
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
-                             batch_wait_fraction=args.batch_wait_fraction if flags["target --batch-wait-fraction"]
-                             else None,
+                             batch_wait_fraction=args.batch_wait_fraction,
                              draft_vocab=args.draft_vocab,
                              log_dir=args.log_dir)
     t0 = time.perf_counter()
@@ -913,8 +914,7 @@ def run(args: argparse.Namespace) -> dict:
                                                    services.orchestrator_flags(extra if is_batched
                                                                                else head_cfg.orchestrator_extra),
                                                    args.batch_window_ms if is_batched else None,
-                                                   args.batch_wait_fraction
-                                                   if is_batched and flags["target --batch-wait-fraction"] else None)
+                                                   args.batch_wait_fraction if is_batched else None)
             except Exception as e:  # noqa: BLE001
                 log.error("%s failed: %s", name, e)
                 session_rows.append({"name": name, "kind": "sessions", "sweep": name, "available": False,
@@ -1012,8 +1012,7 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
                      "session_prompts": [p.name for p in prompts[: max(1, min(args.session_prompts, len(prompts)))]],
                      "batch_window_ms": args.batch_window_ms
                      if flags["target --batch-window-ms"] else None,
-                     "batch_wait_fraction": args.batch_wait_fraction
-                     if flags["target --batch-wait-fraction"] else None, "threads": args.threads,
+                     "batch_wait_fraction": args.batch_wait_fraction, "threads": args.threads,
                      "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
                      "timing": "client wall time per generation (request sent -> final message), prefill included; "
                                "tokens/s = all generated tokens / all wall time of a configuration",

@@ -35,6 +35,11 @@ class ContextTooLong(Exception):
     pass
 
 
+def check_context(loaded: LoadedModel, total: int) -> None:
+    if total > loaded.max_context:
+        raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {loaded.max_context}")
+
+
 @dataclass
 class SessionKV:
     session_id: str
@@ -147,28 +152,22 @@ class CachedLM:
     def extend(self, sess: SessionKV, new_tokens: list[int], keep: int = 0) -> torch.Tensor:
         """Append new_tokens to the session's cache; return float32 logits [len(new_tokens), V], or of the last
         `keep` positions only (the LM head over a long prompt costs as much as several layers: skip what no one reads)."""
-        total = len(sess.tokens) + len(new_tokens)
-        if total > self.loaded.max_context:
-            raise ContextTooLong(
-                f"context of {total} tokens exceeds the model's limit of {self.loaded.max_context}"
-            )
+        if self.loaded.ragged_batch:  # the same attention as a batched forward (and no repeated GQA keys)
+            rows = keep if 0 < keep < len(new_tokens) else len(new_tokens)
+            return _extend_packed(self, [(sess, new_tokens)], [rows])[0]
+        check_context(self.loaded, len(sess.tokens) + len(new_tokens))
         if sess.cache is None:
             sess.cache = DynamicCache()
-        if self.loaded.ragged_batch:  # the same attention as a batched forward (and no repeated GQA keys)
-            logits = ragged_batch.forward_rows(self.model, [sess.cache], [len(sess.tokens)], [new_tokens],
-                                               [keep if 0 < keep < len(new_tokens) else len(new_tokens)],
-                                               self.loaded.device)[0][None]
-        else:
-            ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
-            try:
-                out = self.model(input_ids=ids, cache=sess.cache, use_cache=True,
-                                 logits_to_keep=_keep(keep, len(new_tokens)))
-            except BaseException:
-                ragged_batch.truncate_cache(sess.cache, len(sess.tokens))  # layers before the failure appended
-                raise
-            sess.cache, logits = out.cache, out.logits
+        ids = torch.tensor([new_tokens], dtype=torch.long, device=self.loaded.device)
+        try:
+            out = self.model(input_ids=ids, cache=sess.cache, use_cache=True,
+                             logits_to_keep=_keep(keep, len(new_tokens)))
+        except BaseException:
+            ragged_batch.truncate_cache(sess.cache, len(sess.tokens))  # layers before the failure appended
+            raise
+        sess.cache = out.cache
         sess.tokens.extend(new_tokens)
-        return logits[0, :, : self.loaded.vocab_size].float()
+        return out.logits[0, :, : self.loaded.vocab_size].float()
 
     def release(self, session_id: str) -> bool:
         return self.store.release(session_id)
@@ -201,7 +200,7 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
     """
     keeps = {id(s): (k if 0 < k < len(new) else len(new)) for (s, new), k in zip(items, keep or [0] * len(items))}
     if lm.loaded.ragged_batch:
-        return _extend_packed(lm, items, keeps)
+        return _extend_packed(lm, items, [keeps[id(s)] for s, _ in items])
     short = [len(new) for _, new in items if len(new) <= MAX_BATCHED_NEW_TOKENS]
     m = max(short) if short else 0
     batch, single = [], []
@@ -212,9 +211,7 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
         s, new = batch[0]
         out[id(s)] = lm.extend(s, new, keeps[id(s)])
     elif batch:
-        total = max(len(s.tokens) + len(new) for s, new in batch)
-        if total > lm.loaded.max_context:
-            raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {lm.loaded.max_context}")
+        check_context(lm.loaded, max(len(s.tokens) + len(new) for s, new in batch))
         device = lm.loaded.device
         refeed = [m - len(new) for _, new in batch]
         cache_lens = [len(s.tokens) - r for (s, _), r in zip(batch, refeed)]
@@ -254,19 +251,15 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
     return [out[id(s)] for s, _ in items]
 
 
-def _extend_packed(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keeps: dict[int, int]
-                   ) -> list[torch.Tensor]:
-    if len(items) == 1:
-        s, new = items[0]
-        return [lm.extend(s, new, keeps[id(s)])]
-    total = max(len(s.tokens) + len(new) for s, new in items)
-    if total > lm.loaded.max_context:
-        raise ContextTooLong(f"context of {total} tokens exceeds the model's limit of {lm.loaded.max_context}")
+def _extend_packed(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: list[int]) -> list[torch.Tensor]:
+    """CachedLM.extend of one or more sessions as one packed forward (specdec/ragged_batch.py); keep[i] in
+    1..len(new)."""
+    check_context(lm.loaded, max(len(s.tokens) + len(new) for s, new in items))
     for s, _ in items:
         if s.cache is None:
             s.cache = DynamicCache()
     logits = ragged_batch.forward_rows(lm.model, [s.cache for s, _ in items], [len(s.tokens) for s, _ in items],
-                                       [new for _, new in items], [keeps[id(s)] for s, _ in items], lm.loaded.device)
+                                       [new for _, new in items], keep, lm.loaded.device)
     for s, new in items:
         s.tokens.extend(new)
     return [row[:, : lm.loaded.vocab_size].float() for row in logits]

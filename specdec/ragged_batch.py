@@ -87,10 +87,15 @@ class RaggedRows:
             return None
         key = (m, length, groups, dtype)
         if key not in self._masks:
-            allowed = torch.arange(length, device=device)[None, :] <= (length - m + torch.arange(m, device=device))[:, None]
+            allowed = _causal(m, length, device)
             mask = torch.zeros(m, length, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
             self._masks[key] = mask.repeat(groups, 1)
         return self._masks[key]
+
+
+def _causal(m: int, length: int, device) -> torch.Tensor:
+    """[m, length] bool: query i (the i-th of the last m positions) may attend to key j."""
+    return torch.arange(length, device=device)[None, :] <= (length - m + torch.arange(m, device=device))[:, None]
 
 
 def _row_attention(rows: RaggedRows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -108,9 +113,8 @@ def _row_attention(rows: RaggedRows, query: torch.Tensor, key: torch.Tensor, val
     if length == m:  # a prompt on an empty cache: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     else:
-        allowed = torch.arange(length, device=query.device)[None, :] <= (
-            length - m + torch.arange(m, device=query.device))[:, None]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=_causal(m, length, query.device),
+                                             scale=scaling, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -157,15 +157,12 @@ def extend_tree(lm, sess, new_tokens: list[int], tree_tokens: list[int], parents
     followed by every tree node's: the caller must call :func:`keep_tree_path` or :func:`drop_tree_kv`.
     Returns float32 logits ``[len(new_tokens) + n, V]`` (row ``len(new_tokens) - 1`` is the root's).
     """
-    from specdec.kv_cache import ContextTooLong
+    from specdec.kv_cache import check_context
 
     parents = check_parents(parents, len(tree_tokens))
     past = len(sess.tokens)
     ctx = past + len(new_tokens)
-    deepest = max(depths(parents), default=-1)
-    if ctx + deepest + 1 > lm.loaded.max_context:
-        raise ContextTooLong(f"context of {ctx + deepest + 1} tokens exceeds the model's limit of "
-                             f"{lm.loaded.max_context}")
+    check_context(lm.loaded, ctx + max(depths(parents), default=-1) + 1)
     if sess.cache is None:
         sess.cache = DynamicCache()
     positions = list(range(past, ctx)) + [ctx + d for d in depths(parents)]
