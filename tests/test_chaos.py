@@ -122,3 +122,17 @@ def test_store_commit_survives_a_lost_exec_reply(redis_server):
         assert stored == rec.generated == [7, 8, 9, 10, 11], f"stored {stored}"
     finally:
         proxy.close()
+
+
+def test_stall_bound_counts_the_longest_fault_free_step():
+    """D + M x S with S the longest fault-free loop step (not its p95), scaled by the target's slowdown."""
+    from chaos.scenarios import ChaosHarness, ChaosOptions
+
+    h = object.__new__(ChaosHarness)  # the bound needs only the options, prompts and baseline: no services
+    h.opts = ChaosOptions(draft_timeout_floor_ms=100.0, draft_timeout_factor=2.0)
+    h.prompts = [[1] * 10]
+    h.baseline = {"target_step_ms": 3.0, "step_p95_ms": 27.0, "max_stall_ms": 37.0, "stall_steps": 6}
+    b = h.stall_bound(3.0)
+    assert b["draft_deadline_ms"] == 100.0 and b["bound_ms"] == 100.0 + 6 * 37.0
+    slow = h.stall_bound(6.0)  # the target itself ran 2x slower during the fault: host contention
+    assert slow["contention"] == 2.0 and slow["bound_ms"] == 100.0 + 6 * 37.0 * 2.0
