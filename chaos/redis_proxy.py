@@ -1,9 +1,9 @@
-"""A loopback TCP proxy in front of Redis that can lose the reply of the next transaction.
+"""A loopback TCP proxy in front of Redis that can lose the reply of the next atomic write.
 
-This is the moment `redis_restart` hits by chance: Redis executes a MULTI/EXEC and exits (or the
-connection drops) before its reply reaches the orchestrator, which then sees a connection error for a
-write that did happen. `drop_next_exec_reply()` makes that moment deterministic: the next request that
-contains EXEC is forwarded to Redis, its reply is swallowed and the client connection is closed.
+This is the moment `redis_restart` hits by chance: Redis executes a MULTI/EXEC or a script (a commit) and
+exits (or the connection drops) before its reply reaches the orchestrator, which then sees a connection
+error for a write that did happen. `drop_next_exec_reply()` makes that moment deterministic: the next request
+that contains EXEC or EVALSHA is forwarded to Redis, its reply is swallowed and the client connection is closed.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ExecReplyDroppingProxy:
                 break
             if not data:
                 break
-            if self._drop.is_set() and b"EXEC" in data:
+            if self._drop.is_set() and (b"EXEC" in data or b"EVALSHA" in data):
                 self._drop.clear()
                 lost.set()                 # the reply will not reach the client...
                 upstream.sendall(data)     # ...but Redis executes the transaction

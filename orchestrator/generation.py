@@ -20,7 +20,7 @@ from orchestrator import metrics
 from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, AdaptiveLength, Ema, TargetCost, make_draft_length
 from orchestrator.draft_pool import DraftPool
-from orchestrator.session_store import SessionRecord, StoreUnavailable
+from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
 from specdec import telemetry, wire
 from specdec.sampling import SamplingParams
@@ -132,6 +132,7 @@ class Generation:
     active_sessions: Callable[[], int] | None = None  # generations running in this orchestrator (load switch)
     target_cost: TargetCost | None = None  # the target's measured step costs (goodput draft length)
     acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
+    lease: str = ""  # this stream's session lease token: every write is fenced by it (session_store.py)
 
     def __post_init__(self):
         p = self.rec.params
@@ -408,13 +409,20 @@ class Generation:
             finish = FINISH_STOP
         return kept, finish
 
-    def _store(self, store, fn) -> None:
-        """Write to the session store; if it is down, wait up to the grace period (nothing is streamed unstored)."""
+    def _store(self, store, fn):
+        """Write to the session store; if it is down, wait up to the grace period (nothing is streamed unstored).
+        A write refused because another stream took the session's lease ends this stream (ABORTED): nothing of
+        this stream's is written after that moment."""
         deadline = time.monotonic() + self.cfg.store_grace_s
         while True:
             try:
                 with telemetry.span("orchestrator.store", session_id=self.rec.session_id):
                     return fn()
+            except LeaseLost as e:
+                log.warning("session lease lost; stopping this stream", extra={
+                    "session_id": self.rec.session_id, "holder": e.holder})
+                raise GenerationError(grpc.StatusCode.ABORTED, f"{e}; this stream stopped without writing more "
+                                      "(resume the session to continue it where it was stored)") from e
             except StoreUnavailable as e:
                 if time.monotonic() >= deadline or self.cancel.is_set():
                     raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{e}; the session keeps its last "
@@ -428,7 +436,7 @@ class Generation:
             t0 = time.perf_counter()
             if self.cancel.is_set():
                 rec.status, rec.finish_reason = "cancelled", FINISH_CANCELLED
-                self._store(store, lambda: store.update_state(rec))
+                self._store(store, lambda: store.update_state(rec, self.lease))
                 yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED)
                 return
             offset = len(rec.generated)
@@ -442,7 +450,8 @@ class Generation:
             if degraded:
                 rec.stats["degraded_ms"] += step_ms
                 metrics.record_degraded(step_ms / 1e3)
-            self._store(store, lambda: store.commit(rec, kept))  # stored before the client sees it
+            if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
+                self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None
             yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish)

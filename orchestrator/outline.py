@@ -311,7 +311,7 @@ def _failure_mode(servicer, view: dict) -> dict:
                           "are in the session store, so the client resumes with resume_session_id"),
         "cacheLoss": ("a service that lost a session's KV cache (eviction, restart, another replica) answers "
                       "cache-miss; the orchestrator resends the whole context once and continues"),
-        "sessionStore": (f"each committed block is written to the session store (one MULTI/EXEC) before the client "
+        "sessionStore": (f"each committed block is written to the session store (one atomic script, fenced by the session's lease) before the client "
                          f"sees it; a step waits up to {_cfg(cfg, 'store_grace_s', 10.0):g} s for an unreachable store, "
                          "then fails with UNAVAILABLE, resumable later"),
         "draftStatus": _draft_status(view),
@@ -335,7 +335,7 @@ def _trade_off(servicer, acceptance: dict) -> dict:
                     "and one target forward over k+1 positions to commit 1..k+1 tokens; it is faster than "
                     "target-only decoding when the mean accepted length outweighs the draft's cost and the extra "
                     "network round trip, and wastes target compute on the rejected positions"),
-        "costPerStep": ("2 gRPC round trips (orchestrator->draft, orchestrator->target) + 1 Redis MULTI/EXEC; "
+        "costPerStep": ("2 gRPC round trips (orchestrator->draft, orchestrator->target) + 1 Redis commit script; "
                         "target verify cost grows with k; the draft holds its own KV cache per session"),
         "defaultDraftLength": default_k,
     }

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import threading
 
 import grpc
@@ -17,7 +18,7 @@ from orchestrator.draft_length import AcceptancePrior, TargetCost
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
-from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
+from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
 from specdec import telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.v1 import orchestrator_pb2 as opb
@@ -76,6 +77,29 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.principals = {principal_of(t): t for t in auth_tokens}
         self._active: dict[str, threading.Event] = {}
         self._active_lock = threading.Lock()
+        # Session leases (single writer across orchestrator processes): this process's streams and their tokens,
+        # renewed by a heartbeat at a third of the lease TTL.
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._leases: dict[str, str] = {}
+        self._closed = threading.Event()
+        threading.Thread(target=self._renew_leases, name="lease-heartbeat", daemon=True).start()
+
+    def _renew_leases(self) -> None:
+        interval = max(0.05, getattr(self.store, "lease_ttl_s", 5.0) / 3)
+        while not self._closed.wait(interval):
+            with self._active_lock:
+                leases = dict(self._leases)
+            if not leases:
+                continue
+            try:
+                lost = self.store.renew_leases(leases)
+            except StoreUnavailable:
+                continue  # the commits wait for the store; a lease that expires meanwhile is taken back if free
+            for sid in lost:
+                log.warning("session lease taken by another stream", extra={"session_id": sid})
+
+    def close(self) -> None:
+        self._closed.set()
 
     def _active_count(self) -> int:
         return len(self._active)  # a racy read is fine for a load switch
@@ -163,14 +187,30 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             log.exception("generate failed")
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
+    def _acquire_lease(self, sid: str, token: str) -> None:
+        try:
+            holder = self.store.acquire_lease(sid, token)
+        except StoreUnavailable as e:
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        if holder is not None:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"session {sid} is already streaming on another orchestrator ({holder.rsplit('/', 1)[0]}); "
+                           "one stream per session: resume it after that stream ends")
+        with self._active_lock:
+            self._leases[sid] = token
+
+    def _release_lease(self, sid: str, token: str) -> None:
+        with self._active_lock:
+            self._leases.pop(sid, None)
+        try:
+            self.store.release_lease(sid, token)
+        except StoreUnavailable:
+            pass  # it expires by itself
+
     def _generate(self, request, context):
         principal = self._principal(context)
         if request.resume_session_id:
             rec = self._load(request.resume_session_id, principal)
-            if request.resume_from > len(rec.generated):
-                raise self._bad(f"resume_from {request.resume_from} is past the {len(rec.generated)} generated tokens")
-            if rec.status == "cancelled":
-                rec.status, rec.finish_reason = "running", 0  # resuming a cancelled session continues it
         else:
             rec = self._new_record(request)
             rec.params["owner"] = principal
@@ -183,13 +223,25 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.max_active_sessions} sessions are generating; retry later")
             self._active[sid] = cancel
+        lease = f"{self.instance}/{secrets.token_hex(4)}"
+        leased = False
         try:
-            if not request.resume_session_id:
+            self._acquire_lease(sid, lease)
+            leased = True
+            if request.resume_session_id:
+                rec = self._load(sid, principal)  # as stored when the previous stream let go of it
+                if request.resume_from > len(rec.generated):
+                    raise self._bad(f"resume_from {request.resume_from} is past the {len(rec.generated)} "
+                                    "generated tokens")
+                if rec.status == "cancelled":
+                    rec.status, rec.finish_reason = "running", 0  # resuming a cancelled session continues it
+                self.store.clear_cancel_request(sid)  # one aimed at an earlier stream that ended meanwhile
+            else:
                 self.store.create(rec)
             context.add_callback(cancel.set)  # client cancelled or disconnected
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
                              cancel, self.window, self.target_step, self._active_count, self.target_cost,
-                             self.acceptance_prior)
+                             self.acceptance_prior, lease)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
@@ -204,18 +256,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finally:
             with self._active_lock:
                 self._active.pop(sid, None)
-            if cancel.is_set() and rec.status == "running":
+            if leased and cancel.is_set() and rec.status == "running":
                 # The client went away mid-step: record it and free the caches.
                 rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
                 try:
-                    self.store.update_state(rec)
-                except StoreUnavailable:
+                    self.store.update_state(rec, lease)
+                except (StoreUnavailable, LeaseLost):
                     log.warning("could not record cancellation", extra={"session_id": sid})
-            if rec.status != "running":
+            if leased:
+                self._release_lease(sid, lease)
+            if leased and rec.status != "running":
                 self._release_caches(sid)
 
     def _release_caches(self, sid: str) -> None:
         # Off the request's path: the stream ends without waiting for the services to free their caches.
+        if self._closed.is_set():
+            return  # shutting down: the channels are closing, and the caches go with the services
         self.target.release_async(sid)
         if self.pool is not None:
             self.pool.release(sid)
@@ -235,6 +291,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             event = self._active.get(rec.session_id)
         if event is not None:
             event.set()
+            return opb.CancelSessionResponse(cancelled=True)
+        if rec.status == "running" and self.store.lease_holder(rec.session_id) is not None:
+            # Streaming on another orchestrator: it must write the cancellation itself (its lease fences us out).
+            self.store.request_cancel(rec.session_id)
             return opb.CancelSessionResponse(cancelled=True)
         if rec.status == "running":
             rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
@@ -272,7 +332,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
                    session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
                    auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
-                   breaker_failures: int = 2, local_datastore: str = "auto") -> OrchestratorServicer:
+                   breaker_failures: int = 2, local_datastore: str = "auto",
+                   session_lease_s: float = 5.0) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
@@ -298,7 +359,7 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                             extra={"replica": replica.address, "code": e.code().name})
             else:
                 check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
-    store = open_store(store_url, ttl_s=session_ttl_s)
+    store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
     try:
         store.ping()
     except StoreUnavailable as e:
@@ -353,6 +414,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
+    p.add_argument("--session-lease-s", type=float, default=5.0,
+                   help="a session's single-writer lease in Redis: a stream renews it every third of this; a crashed "
+                        "orchestrator's sessions can be resumed elsewhere after at most this long")
     p.add_argument("--fallback-chunk", type=int, default=4, help="tokens per target-only Decode when degraded")
     p.add_argument("--draft-timeout-floor-ms", type=float, default=100.0)
     p.add_argument("--draft-timeout-factor", type=float, default=2.0, help="x the measured target step time")
@@ -373,6 +437,8 @@ def serve(args: argparse.Namespace) -> None:
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     if not 0 <= args.tree_budget <= 64 or not 0 <= args.tree_branch <= 16 or not 0 <= args.tree_branch_below <= 1:
         raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
+    if not 0.1 <= args.session_lease_s <= 3600:
+        raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
@@ -392,7 +458,7 @@ def serve(args: argparse.Namespace) -> None:
     servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
                               breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
-                              local_datastore=args.local_datastore)
+                              local_datastore=args.local_datastore, session_lease_s=args.session_lease_s)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)

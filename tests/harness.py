@@ -60,6 +60,7 @@ class Stack:
 
     def stop(self):
         self.client.close()
+        self.servicer.close()
         if self.servicer.pool is not None:
             self.servicer.pool.close()
         for s in (self.orchestrator_server, *self.draft_servers, self.target_server):

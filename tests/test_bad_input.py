@@ -129,3 +129,15 @@ def test_target_refuses_a_batch_wait_fraction_outside_0_to_1(fraction):
     server.add_arguments(p)
     with pytest.raises(SystemExit, match="--batch-wait-fraction must be between 0 and 1"):
         server.serve(p.parse_args(["--model", "tiny", "--batch-window-ms", "5", "--batch-wait-fraction", fraction]))
+
+
+@pytest.mark.parametrize("lease", ["0", "-1", "7200"])
+def test_orchestrator_refuses_a_session_lease_out_of_range(lease):
+    import argparse
+
+    from orchestrator import server
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    with pytest.raises(SystemExit, match="--session-lease-s must be between 0.1 and 3600 seconds"):
+        server.serve(p.parse_args(["--session-lease-s", lease]))
