@@ -434,11 +434,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
+    # Bad flags are refused before anything process-wide (telemetry, TLS) is set up.
     if not 0 <= args.tree_budget <= 64 or not 0 <= args.tree_branch <= 16 or not 0 <= args.tree_branch_below <= 1:
         raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
+    telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,

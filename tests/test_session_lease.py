@@ -103,8 +103,8 @@ def _first_message(stream):
 
 def test_resume_elsewhere_is_refused_while_the_session_streams(two_orchestrators):
     a, b = two_orchestrators
-    # Long enough (~5 s) for A's heartbeat to renew the lease while B waits: B then knows A is alive.
-    stream = a.client.stream([1, 2, 3], max_new_tokens=400, ignore_eos=True)
+    # Long enough (~2-3 s) for A's commits to renew the lease while B waits: B then knows A is alive.
+    stream = a.client.stream([1, 2, 3], max_new_tokens=150, ignore_eos=True)
     first = _first_message(stream)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
@@ -113,7 +113,7 @@ def test_resume_elsewhere_is_refused_while_the_session_streams(two_orchestrators
     assert "another orchestrator" in e.value.details()
     assert time.monotonic() - t0 < 4.0  # refused once a renewal showed A alive, not after the whole lease TTL
     received = list(first.token_ids) + [t for m in stream for t in m.token_ids]
-    assert len(received) == 400
+    assert len(received) == 150
     # Once that stream ended (and let go of the lease), the other orchestrator serves the session.
     resumed = [t for m in b.client.stream(resume_session_id=first.session_id, resume_from=0) for t in m.token_ids]
     assert resumed == received
