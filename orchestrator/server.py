@@ -239,6 +239,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             else:
                 self.store.create(rec)
             context.add_callback(cancel.set)  # client cancelled or disconnected
+            if not context.is_active():
+                cancel.set()  # it went away before the callback was registered (e.g. while waiting for the lease)
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
                              cancel, self.window, self.target_step, self._active_count, self.target_cost,
                              self.acceptance_prior, lease)
