@@ -85,7 +85,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         threading.Thread(target=self._renew_leases, name="lease-heartbeat", daemon=True).start()
 
     def _renew_leases(self) -> None:
-        interval = max(0.05, getattr(self.store, "lease_ttl_s", 5.0) / 3)
+        interval = max(0.05, self.store.lease_ttl_s / 3)
         while not self._closed.wait(interval):
             with self._active_lock:
                 leases = dict(self._leases)
@@ -258,17 +258,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finally:
             with self._active_lock:
                 self._active.pop(sid, None)
-            if leased and cancel.is_set() and rec.status == "running":
-                # The client went away mid-step: record it and free the caches.
-                rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
-                try:
-                    self.store.update_state(rec, lease)
-                except (StoreUnavailable, LeaseLost):
-                    log.warning("could not record cancellation", extra={"session_id": sid})
-            if leased:
+            if leased:  # without the lease this stream wrote nothing and owns nothing to free
+                if cancel.is_set() and rec.status == "running":
+                    # The client went away mid-step: record it and free the caches.
+                    rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
+                    try:
+                        self.store.update_state(rec, lease)
+                    except (StoreUnavailable, LeaseLost):
+                        log.warning("could not record cancellation", extra={"session_id": sid})
                 self._release_lease(sid, lease)
-            if leased and rec.status != "running":
-                self._release_caches(sid)
+                if rec.status != "running":
+                    self._release_caches(sid)
 
     def _release_caches(self, sid: str) -> None:
         # Off the request's path: the stream ends without waiting for the services to free their caches.

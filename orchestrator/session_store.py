@@ -119,7 +119,6 @@ class RedisSessionStore:
         self.url = url
         self.ttl_s = ttl_s
         self.lease_ttl_s = lease_ttl_s
-        self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
             health_check_interval=30,
@@ -131,6 +130,10 @@ class RedisSessionStore:
     def _keys(self, session_id: str) -> tuple[str, str]:
         k = KEY_PREFIX + session_id
         return k, k + ":gen"
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        return int(self.lease_ttl_s * 1000)
 
     def _lease_key(self, session_id: str) -> str:
         return KEY_PREFIX + session_id + ":lease"
@@ -190,7 +193,7 @@ class RedisSessionStore:
         for up to `wait_s` (default: its TTL plus a little) in case its holder died; a lease its holder renews
         meanwhile (a live stream) is refused at once."""
         key = self._lease_key(session_id)
-        wait_s = self.lease_ttl_ms / 1e3 + 0.5 if wait_s is None else wait_s
+        wait_s = self.lease_ttl_s + 0.5 if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         first = None  # (remaining ms, when read) at the first look
         while True:
