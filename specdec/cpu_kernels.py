@@ -19,6 +19,24 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_PACKABLE: dict[torch.dtype, bool] = {}
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack a weight of this dtype on this CPU: float32 always; bfloat16 needs avx512bw/vl/dq
+    or avx_ne_convert (an AVX2-only CPU refuses it, and plain bfloat16 linears still work there)."""
+    if dtype not in _PACKABLE:
+        if dtype not in (torch.float32, torch.bfloat16) or not available():
+            _PACKABLE[dtype] = False
+        else:
+            try:
+                torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+                _PACKABLE[dtype] = True
+            except RuntimeError:
+                _PACKABLE[dtype] = False
+    return _PACKABLE[dtype]
+
+
 class PackedLinear(torch.nn.Module):
     """Inference-only drop-in for nn.Linear with its weight prepacked for oneDNN. Keeps `weight` (tied
     embeddings, save_pretrained and anything else that reads it still see the original tensor); the packed
@@ -50,7 +68,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in (torch.float32, torch.bfloat16):
+        if w.device.type != "cpu" or x.dtype != w.dtype or not packable(w.dtype):
             return torch.nn.functional.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
 
@@ -70,13 +88,13 @@ MIN_PACKED_ELEMENTS = 1 << 18
 
 
 def prepack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> int:
-    """Replace each nn.Linear of a CPU float32/bfloat16 model whose weight has more than `min_elements`
-    entries by a PackedLinear; returns how many."""
+    """Replace each nn.Linear of a CPU float32/bfloat16 model (bfloat16 where this CPU can pack it) whose weight
+    has more than `min_elements` entries by a PackedLinear; returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if (type(child) is torch.nn.Linear and child.weight.numel() > min_elements
-                    and child.weight.device.type == "cpu" and child.weight.dtype in (torch.float32, torch.bfloat16)):
+                    and child.weight.device.type == "cpu" and packable(child.weight.dtype)):
                 setattr(module, name, PackedLinear(child))
                 count += 1
     return count

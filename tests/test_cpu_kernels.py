@@ -70,6 +70,8 @@ def test_prepack_modes():
         cpu_kernels.should_prepack("on", torch.device("meta"))
     with pytest.raises(ValueError, match="auto, on or off"):
         cpu_kernels.should_prepack("yes", torch.device("cpu"))
+    # float32 packs everywhere; bfloat16 only where the CPU has the instructions (else the layer stays plain)
+    assert cpu_kernels.packable(torch.float32) and not cpu_kernels.packable(torch.float16)
 
 
 def test_a_prepacked_model_can_be_copied_and_cast():
