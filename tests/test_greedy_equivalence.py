@@ -73,6 +73,8 @@ def test_eos_stops_generation_identically(redis_url):
             if ref.finish_reason == "eos":
                 eos_seen += 1
                 assert ref.token_ids[-1] == 0 and 0 not in ref.token_ids[:-1]
+            if eos_seen >= 3 and seed_prompt >= 10:
+                break  # three eos stops (and length stops) checked; each further prompt costs two 60-token generations
         assert eos_seen > 0, "no prompt hit eos; pick other prompts"
     finally:
         s.stop()

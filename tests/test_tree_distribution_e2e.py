@@ -76,7 +76,7 @@ def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch)
         return res
 
     monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
-    n = draws(1000)  # more than the broken tree verifier test needs to reject a biased verifier
+    n = draws(700)  # more than the broken tree verifier test needs to reject a biased verifier (600)
     s = start_stack(redis_url, target=TARGET, draft="ngram", cfg=LoopConfig(tree_budget=6, draft_timeout_floor_ms=5000))
     try:
         samples, acceptance = draw(s, n, prompt=NGRAM_PROMPT)
