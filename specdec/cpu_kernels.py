@@ -11,6 +11,8 @@ decoding, and makes the 1-token step itself a little faster. Results are float32
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -19,22 +21,17 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-_PACKABLE: dict[torch.dtype, bool] = {}
-
-
+@functools.cache
 def packable(dtype: torch.dtype) -> bool:
     """Whether oneDNN can pack a weight of this dtype on this CPU: float32 always; bfloat16 needs avx512bw/vl/dq
     or avx_ne_convert (an AVX2-only CPU refuses it, and plain bfloat16 linears still work there)."""
-    if dtype not in _PACKABLE:
-        if dtype not in (torch.float32, torch.bfloat16) or not available():
-            _PACKABLE[dtype] = False
-        else:
-            try:
-                torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
-                _PACKABLE[dtype] = True
-            except RuntimeError:
-                _PACKABLE[dtype] = False
-    return _PACKABLE[dtype]
+    if dtype not in (torch.float32, torch.bfloat16) or not available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(torch.nn.Module):
