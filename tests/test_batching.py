@@ -9,6 +9,8 @@ import torch
 from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 
 def run_concurrently(fn, n: int, timeout_s: float = 120) -> list:
     """fn(i) for i in range(n), each in its own thread; their results in order."""

@@ -14,6 +14,8 @@ from bench import analysis
 from bench.runner import TARGETS, main
 from specdec.sampling import expected_accepted_length, speculative_speedup
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 TARGET = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
 DRAFT = "tiny:vocab=64,layers=1,hidden=64,seed=0,std=0.3"
 HEADLINE_KEYS = ("speedup_vs_target_only", "speedup_vs_hf_assisted", "pipelined_vs_sequential", "acceptance_rate",

@@ -13,6 +13,8 @@ from chaos import DRAFT_FAULTS, SCENARIOS
 from chaos.report import markdown
 from chaos.scenarios import checks
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 RUN_TIMEOUT_S = 420  # the budget is well under 3 minutes; this only stops a hung run
 
 

@@ -13,6 +13,8 @@ from specdec.redis_server import RedisServer
 from target_service.server import build_server as build_target_server
 from tests.harness import DRAFT_EARLY, DRAFT_SAME, TARGET, model, start_draft, start_stack
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 PROMPT = [1, 5, 9, 12, 5, 9]
 FAST = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=200, draft_first_call_timeout_ms=2000,
                   target_grace_s=10, store_grace_s=10)

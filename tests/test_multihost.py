@@ -57,7 +57,7 @@ PORTS = {"redis": 6379, "target": 50052, "draft": 50051, "orch": 50050}
 DRAFT_INNER_PORT = 50061  # relay mode: the draft service listens here on the draft host's loopback
 NS_RE = re.compile(r"^sd-(net|redis|target|draft|orch)-(\d+)$")
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.serial]  # serial: timing-sensitive (scripts/test.sh)
 
 
 # --------------------------------------------------------------------------------------------------

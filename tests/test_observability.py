@@ -18,6 +18,8 @@ from specdec import stats_cli, telemetry
 from specdec.v1 import orchestrator_pb2 as opb
 from tests import harness
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 3, 8, 4]
 GEN_SERVER = "specdec.v1.Orchestrator/Generate"
 

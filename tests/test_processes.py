@@ -10,6 +10,8 @@ from specdec.client import SpecdecClient
 from specdec.stack import LocalStack, StackConfig
 from tests.harness import DRAFT_EARLY, TARGET
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 PROMPT = [1, 5, 9, 12, 5, 9]
 MAX_NEW = 400
 

@@ -15,6 +15,8 @@ from orchestrator.session_store import KEY_PREFIX, LeaseLost, MemorySessionStore
 from specdec.v1 import orchestrator_pb2 as opb
 from tests.harness import DRAFT_EARLY as DRAFT, TARGET, start_stack
 
+pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
+
 
 def _store(redis_url, lease_s=5.0):
     return RedisSessionStore(redis_url, lease_ttl_s=lease_s)
