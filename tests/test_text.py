@@ -39,8 +39,9 @@ def _replay(tok, ids: list[int], rng: random.Random, take_back: bool = True) -> 
         i += n
         if take_back and rng.random() < 0.1 and len(seen) > 2:
             seen = seen[:-1]
-        assert tracker.decode(seen) == tok.decode(seen, skip_special_tokens=True), seen
-        assert tracker.decode(seen) == tok.decode(seen, skip_special_tokens=True), seen  # the cached answer
+        want = tok.decode(seen, skip_special_tokens=True)
+        assert tracker.decode(seen) == want, seen
+        assert tracker.decode(seen) == want, seen  # the cached answer
     return tracker
 
 
