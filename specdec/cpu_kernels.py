@@ -4,9 +4,12 @@
 a cheap GEMV, but for the small M of a verify block (g + 1 tokens) or a batch of sessions the packing costs
 as much as the product: on this machine's CPU (1 thread, float32) a 5-token forward of SmolLM2 took ~1.7x a
 1-token step. Packing each weight once into oneDNN's blocked layout (what inductor's CPU freezing does)
-makes a 2-8 token forward cost about the same as a 1-token one, which is the premise of speculative
-decoding, and makes the 1-token step itself a little faster. Results are float32 GEMMs as before
-(differences ~1e-5 from the unpacked layer, the same order as between two block sizes).
+makes a 2-8 token forward cost much less than it did (6 tokens ~1.4x a 1-token step here), which is the
+premise of speculative decoding. A single token is a GEMV bound by memory bandwidth, where oneDNN's packed call
+only adds fixed cost: on the AVX2 CPU of session 12, a SmolLM2 1-token step took 80 ms with every large layer
+packed and 73 ms with the projections under SINGLE_ROW_PACKED_MIN_ELEMENTS run plain at one row (the LM head,
+far larger, stays faster packed). Results are float32 GEMMs as before (differences ~1e-5 from the unpacked
+layer, the same order as between two block sizes).
 """
 
 from __future__ import annotations
@@ -63,9 +66,15 @@ class PackedLinear(torch.nn.Module):
             self._packed_for = key
         return self._packed
 
+    def packed_for(self, rows: int) -> bool:
+        """Whether a call on `rows` input rows uses the packed weight (one row of a layer this small is a GEMV
+        that the plain kernel does faster)."""
+        return rows > 1 or self.weight.numel() >= SINGLE_ROW_PACKED_MIN_ELEMENTS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.device.type != "cpu" or x.dtype != w.dtype or not packable(w.dtype):
+        if (w.device.type != "cpu" or x.dtype != w.dtype or not packable(w.dtype)
+                or not self.packed_for(x.shape[:-1].numel())):
             return torch.nn.functional.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
 
@@ -82,6 +91,9 @@ class PackedLinear(torch.nn.Module):
 # Above this size packing wins (SmolLM2's 576x576 attention and 576x1536 MLP weights, every LM head); the tiny
 # test models and a 256-wide draft's attention stay plain.
 MIN_PACKED_ELEMENTS = 1 << 18
+# At one row, only layers at least this large run packed: the LM heads (SmolLM2's is 28M entries: 8 ms packed,
+# 10 ms plain), not the transformer blocks' projections (SmolLM2's largest is 0.9M entries).
+SINGLE_ROW_PACKED_MIN_ELEMENTS = 1 << 22
 
 
 def prepack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> int:

@@ -90,3 +90,19 @@ def test_a_prepacked_model_can_be_copied_and_cast():
         b16 = copy.deepcopy(packed).to(torch.bfloat16)
         want = copy.deepcopy(plain).to(torch.bfloat16)(input_ids=ids).logits.float()
         torch.testing.assert_close(b16(input_ids=ids).logits.float(), want, rtol=0.05, atol=0.05)
+
+
+def test_one_row_runs_plain_below_the_single_row_threshold_and_packed_above():
+    """One token is a bandwidth-bound GEMV: a block projection runs it plain, an LM-head-sized layer packed;
+    both give the plain layer's output at one row and at several."""
+    torch.manual_seed(0)
+    small = torch.nn.Linear(256, 512, bias=True)
+    large = torch.nn.Linear(1024, cpu_kernels.SINGLE_ROW_PACKED_MIN_ELEMENTS // 1024, bias=False)
+    for layer, packed_at_one_row in ((small, False), (large, True)):
+        packed = cpu_kernels.PackedLinear(layer)
+        assert packed.packed_for(1) is packed_at_one_row
+        assert packed.packed_for(2) and packed.packed_for(8)
+        with torch.inference_mode():
+            for rows in (1, 3):
+                x = torch.randn(1, rows, layer.in_features)
+                torch.testing.assert_close(packed(x), layer(x), rtol=1e-4, atol=1e-4)
