@@ -16,7 +16,15 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                         "one round trip per step)")
     p.add_argument("--draft-model", default="smollm2-draft")
     p.add_argument("--draft-replicas", type=int, default=1)
-    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--draft-len", type=int, default=4, help="draft length (the starting one when adaptive)")
+    p.add_argument("--adaptive-draft-len", action=argparse.BooleanOptionalAction, default=True,
+                   help="adapt the draft length per session from its acceptance (the deployment's default; "
+                        "--no-adaptive-draft-len keeps --draft-len fixed)")
+    p.add_argument("--pipeline", choices=["off", "on", "auto"], default="auto",
+                   help="draft block k+1 while the target verifies block k (auto: where measured to pay)")
+    p.add_argument("--batch-window-ms", type=float, default=None,
+                   help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
+                        "0 for `run`'s one session)")
     p.add_argument("--store", choices=["redis", "memory"], default="redis")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     p.add_argument("--device", default="auto")
@@ -29,6 +37,8 @@ def _stack_config(args):
 
     return StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                        draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
+                       adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
+                       batch_window_ms=args.batch_window_ms if args.batch_window_ms is not None else args.default_batch_window_ms,
                        store=args.store, threads=args.threads, device=args.device, dtype=args.dtype)
 
 
@@ -158,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         from draft_service.datastore_build import main as datastore_main
 
         return datastore_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand but distill and datastore, which parse their own arguments."""
     parser = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
-    up.set_defaults(func=cmd_up)
+    up.set_defaults(func=cmd_up, default_batch_window_ms=5.0)
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
     gen.add_argument("prompt")
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--mode", choices=["speculative", "target-only"], default="speculative")
     _stack_arguments(run)
     _generation_arguments(run)
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, default_batch_window_ms=0.0)
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
     sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "
@@ -205,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ol = sub.add_parser("outline", help="print the running system's design outline")
     stats_cli.add_outline_arguments(ol)
     ol.set_defaults(func=stats_cli.run_outline)
-
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
 
 
 if __name__ == "__main__":

@@ -95,6 +95,11 @@ class StackConfig:
     draft_model: str = "smollm2-draft"
     draft_replicas: int = 1
     draft_len: int = 4
+    # The library default keeps a fixed draft length and no pipelining (tests and chaos runs count steps);
+    # `specdec run/up` and deploy/docker-compose.yml turn both on, as measured best in bench/.
+    adaptive_draft_len: bool = False
+    pipeline: str = "off"  # off | on | auto
+    batch_window_ms: float = 0.0  # target: batch concurrent sessions' steps within this window
     store: str = "redis"  # redis (a private redis-server) or memory
     threads: int = 1
     device: str = "auto"
@@ -162,6 +167,14 @@ class LocalStack:
     def _metrics(self, offset: int) -> list[str]:
         return ["--metrics-port", str(self.cfg.metrics_base_port + offset)] if self.cfg.metrics_base_port else []
 
+    def _speculation(self) -> list[str]:
+        if self.cfg.pipeline not in ("off", "on", "auto"):
+            raise ValueError(f"pipeline must be off, on or auto, not {self.cfg.pipeline!r}")
+        return ["--pipeline", self.cfg.pipeline, *(["--adaptive-draft-len"] if self.cfg.adaptive_draft_len else [])]
+
+    def _batching(self) -> list[str]:
+        return ["--batch-window-ms", str(self.cfg.batch_window_ms)] if self.cfg.batch_window_ms > 0 else []
+
     def _common(self) -> list[str]:
         return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
 
@@ -174,7 +187,7 @@ class LocalStack:
                 from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
-                                                    *cfg.target_args], self.log_dir).start()
+                                                    *self._batching(), *cfg.target_args], self.log_dir).start()
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i)]
@@ -197,7 +210,8 @@ class LocalStack:
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
-                "--draft-len", str(self.cfg.draft_len), *self._metrics(0), *self.cfg.orchestrator_args]
+                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._metrics(0),
+                *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir).start()
         addr = self.orchestrator.wait_ready(timeout)
         # Restarts reuse the port so clients can reconnect to the same address.
