@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -143,6 +144,49 @@ def _isotonic(values: list[float]) -> list[float]:
     return [m for m, c in blocks for _ in range(int(c))]
 
 
+PROFILE_SIZES = (2, 3, 4, 5, 6, 8, 11, 14, 17, 24, 32, 48, 64, 96, 128)  # measured; sizes between interpolated
+
+
+def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
+    """forward_ms(n) times one forward over n tokens; returns the cost of n = 1 .. max_tokens.
+
+    Each size n > 1 is timed between two 1-token forwards and costed as its ratio to their mean: a shared
+    machine's slow spells last longer than three forwards, so the ratios (the profile's shape, which is what a
+    draft length is chosen by) survive them where the fastest of a few runs per size did not (session 12, this
+    CPU, four profiles in a row: a 6-token forward at 1.42-1.56 steps this way, 1.21-1.58 by the fastest run).
+    The median ratio over `reps` rounds times the median 1-token time gives milliseconds; the result is made
+    non-decreasing by isotonic regression (more tokens never cost less; one outlier is pooled with its
+    neighbours rather than carried to every larger size)."""
+    grid = sorted({n for n in PROFILE_SIZES if n < max_tokens} | ({max_tokens} if max_tokens > 1 else set()))
+    ratios: dict[int, list[float]] = {n: [] for n in grid}
+    ones: list[float] = []
+    for rep in range(reps + 1):  # repetition 0 warms up
+        before = forward_ms(1)
+        if rep:
+            ones.append(before)
+        order = grid[rep % len(grid):] + grid[: rep % len(grid)] if grid else []  # rotated: drift hits all alike
+        for n in order:
+            t = forward_ms(n)
+            after = forward_ms(1)
+            if rep:
+                ratios[n].append(t / ((before + after) / 2))
+                ones.append(after)
+            before = after
+    one = statistics.median(ones)
+    fitted = dict(zip([1, *grid], (one * r for r in _isotonic([1.0, *(statistics.median(ratios[n]) for n in grid)]))))
+    measured = sorted(fitted)
+    out = []
+    for n in range(1, max_tokens + 1):
+        if n in fitted:
+            v = fitted[n]
+        else:  # between two measured sizes
+            lo = max(g for g in measured if g < n)
+            hi = min(g for g in measured if g > n)
+            v = fitted[lo] + (fitted[hi] - fitted[lo]) * (n - lo) / (hi - lo)
+        out.append(round(v, 3))
+    return out
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16,
                  batch_window_ms: float = 0.0, max_batch: int = 16, batch_wait_fraction: float = 0.5):
@@ -161,35 +205,19 @@ class TargetEngine:
 
     def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
         """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts, or a
-        batch's rows together) after `context` tokens: what a longer draft costs the target. The fastest of `reps`
-        runs (noise on a shared machine only adds time), sizes above 6 measured sparsely and interpolated, and
-        made non-decreasing by isotonic regression (more tokens never cost less; a spike left by a busy moment
-        is averaged with its neighbours rather than carried to every larger size)."""
-        grid = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 11, 14, 17, 24, 32, 48, 64, 96, 128) if n < max_tokens}
-                      | {max_tokens})
+        batch's rows together) after `context` tokens: what a longer draft costs the target (measure_profile)."""
         sess = SessionKV("\x00profile")
         vocab = self.loaded.vocab_size
         self.lm.extend(sess, [(7 * i + 1) % vocab for i in range(context)], keep=1)
-        best = {n: float("inf") for n in grid}
-        for rep in range(reps + 1):  # repetition 0 warms up
-            for n in grid[rep % len(grid):] + grid[: rep % len(grid)]:  # rotated: drift hits every size alike
-                t0 = time.perf_counter()
-                self.lm.extend(sess, [(3 * j + 2) % vocab for j in range(n)], keep=n)
-                dt = (time.perf_counter() - t0) * 1e3
-                self.lm.crop(sess, context)
-                if rep:
-                    best[n] = min(best[n], dt)
-        fitted = dict(zip(grid, _isotonic([best[n] for n in grid])))
-        out = []
-        for n in range(1, max_tokens + 1):
-            if n in fitted:
-                v = fitted[n]
-            else:  # between two measured sizes
-                lo = max(g for g in grid if g < n)
-                hi = min(g for g in grid if g > n)
-                v = fitted[lo] + (fitted[hi] - fitted[lo]) * (n - lo) / (hi - lo)
-            out.append(round(v, 3))
-        return out
+
+        def forward_ms(n: int) -> float:
+            t0 = time.perf_counter()
+            self.lm.extend(sess, [(3 * j + 2) % vocab for j in range(n)], keep=n)
+            dt = (time.perf_counter() - t0) * 1e3
+            self.lm.crop(sess, context)
+            return dt
+
+        return measure_profile(forward_ms, max_tokens, reps)
 
     def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
         sess = self.store.get(session_id)
