@@ -28,24 +28,28 @@ MAX_DRAFT = 10  # the longest draft looked up at each position
 class Position:
     drafted: int  # tokens the drafter offers here (up to MAX_DRAFT)
     matched: int  # how many of them equal the target's greedy continuation
+    scores: tuple[float, ...] = ()  # the drafter's score per drafted token (ProposeResponse.token_scores)
 
 
-def positions(context: list[int], reply: list[int], lookup: Callable[[list[int], int], list[int]]) -> list[Position]:
-    """For each position t of `reply`: the draft for context + reply[:t] and its prefix that matches reply[t:]."""
+def positions(context: list[int], reply: list[int],
+              lookup: Callable[[list[int], int], tuple[list[int], list[float]]]) -> list[Position]:
+    """For each position t of `reply`: the draft for context + reply[:t] (lookup returns it and its scores) and
+    its prefix that matches reply[t:]."""
     table = []
     for t in range(len(reply)):
-        draft = lookup(context + reply[:t], MAX_DRAFT)
+        draft, scores = lookup(context + reply[:t], MAX_DRAFT)
         m = 0
         while m < len(draft) and t + m < len(reply) and draft[m] == reply[t + m]:
             m += 1
-        table.append(Position(len(draft), m))
+        table.append(Position(len(draft), m, tuple(scores)))
     return table
 
 
 def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int, forward_ms: list[float],
            fallback_chunk: int = 4) -> tuple[int, float, int, int]:
     """Decode every reply as the orchestrator's step does (orchestrator/generation.py): k capped by the tokens
-    left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft, one token.
+    left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft, one token; a
+    scored draft is asked for at the policy's request_len and trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a
     factory of DraftLength-like objects (k, update(proposed, accepted), step_taken())."""
     tokens, cost, verifies, plain = 0, 0.0, 0, 0
@@ -54,14 +58,19 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
         t = 0
         while t < len(table):
             remaining = len(table) - t
+            here = table[t]
             k = min(policy.k if policy is not None else make_policy, remaining - 1, len(forward_ms) - 1)
-            proposed = min(k, table[t].drafted)
+            proposed = min(k, here.drafted)
+            if policy is not None and k > 0 and here.scores:
+                ask = min(policy.request_len(k), remaining - 1, len(forward_ms) - 1)
+                proposed = policy.verify_len(list(here.scores[:ask]), remaining - 1)
             if proposed:
-                accepted = min(table[t].matched, proposed)
+                accepted = min(here.matched, proposed)
                 cost += forward_ms[proposed]  # one forward over the block and the bonus token
                 verifies += 1
                 if policy is not None:
                     policy.update(proposed, accepted)
+                    policy.observe_evidence(list(here.scores[:proposed]), proposed, accepted)
                 step = accepted + 1
             else:
                 step = 1 if k > 0 else min(fallback_chunk, remaining)
@@ -76,14 +85,16 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
 
 def compare(tables: list[list[Position]], forward_ms: list[float], max_len: int = 16) -> list[dict]:
     """Every policy over the same tables; speed is tokens per ms relative to target-only."""
-    from orchestrator.draft_length import AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost
+    from orchestrator.draft_length import AcceptancePrior, DraftEvidence, DraftLength, GoodputDraftLength, TargetCost
 
     cost = TargetCost(forward_ms)
     policies: list[tuple[str, object]] = [("target-only", 0)]
     policies += [(f"fixed k={k}", k) for k in range(1, min(8, len(forward_ms) - 1) + 1)]
     policies.append(("heuristic (transformers: +2 / -1)", lambda: DraftLength(4, max_len, adaptive=True)))
-    prior = AcceptancePrior()  # one orchestrator: every session's blocks feed it, as in the service
-    policies.append(("goodput (default adaptive)", lambda: GoodputDraftLength(max_len, cost, prior)))
+    prior, prior2, evidence = AcceptancePrior(), AcceptancePrior(), DraftEvidence()  # orchestrator-wide, as served
+    policies.append(("goodput, draft scores ignored", lambda: GoodputDraftLength(max_len, cost, prior)))
+    policies.append(("goodput + draft scores (default adaptive)",
+                     lambda: GoodputDraftLength(max_len, cost, prior2, evidence)))
     rows, base = [], None
     for name, policy in policies:
         tokens, ms, verifies, plain = replay(tables, policy, forward_ms)
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             if reply[-1] == eos:
                 break
             logits = engine.lm.extend(sess, reply[-1:], keep=1)
-        tables.append(positions(ids, reply, drafter.lookup))
+        tables.append(positions(ids, reply, drafter.lookup_scored))
     result = {"target_model": args.target_model, "drafter": info.model_name, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "forward_ms": [round(x, 2) for x in forward_ms],
               "acceptance_by_depth": acceptance_by_depth(tables), "policies": compare(tables, forward_ms)}

@@ -56,7 +56,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         telemetry.record_draft(ms)
         probs = [] if proposal.probs_fp16 is None else [wire.encode_distribution(r) for r in proposal.probs_fp16]
         return draft_pb2.ProposeResponse(
-            tokens=proposal.tokens, probs=probs, cached_len=proposal.cached_len, draft_ms=ms
+            tokens=proposal.tokens, probs=probs, cached_len=proposal.cached_len, draft_ms=ms,
+            token_scores=proposal.scores or []
         )
 
     MAX_TREE_NODES = 64

@@ -64,6 +64,7 @@ class DraftReply:
     draft_ms: float
     resynced: bool
     tree_parents: list[int] | None = None  # tree speculation: tokens/probs are the nodes of this tree
+    scores: list[float] = field(default_factory=list)  # the drafter's evidence per token (may be empty)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class DraftClient:
         if len(r.tree.tokens) or len(r.tree.parents):
             return DraftReply(list(r.tree.tokens), list(r.tree.probs), r.cached_len, r.draft_ms, resynced,
                               list(r.tree.parents))
-        return DraftReply(list(r.tokens), list(r.probs), r.cached_len, r.draft_ms, resynced)
+        return DraftReply(list(r.tokens), list(r.probs), r.cached_len, r.draft_ms, resynced,
+                          scores=list(r.token_scores))
 
     def propose_async(self, session_id: str, prefix_len: int, delta: list[int], max_len: int,
                       params: SamplingParams, seed: int, step: int, timeout: float):

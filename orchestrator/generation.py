@@ -8,6 +8,7 @@ never depends on the draft; only the speed does.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -18,7 +19,8 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
-from orchestrator.draft_length import AcceptancePrior, AdaptiveLength, Ema, TargetCost, make_draft_length
+from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftEvidence, Ema, TargetCost,
+                                       make_draft_length)
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
@@ -35,7 +37,7 @@ FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
-            "pipeline_hits", "load_shed_steps", "speculation_paused_steps")
+            "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 
 
@@ -133,6 +135,7 @@ class Generation:
     target_cost: TargetCost | None = None  # the target's measured step costs (goodput draft length)
     acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
     lease: str = ""  # this stream's session lease token: every write is fenced by it (session_store.py)
+    draft_evidence: DraftEvidence | None = None  # what the drafter's token scores mean (goodput draft length)
 
     def __post_init__(self):
         p = self.rec.params
@@ -150,7 +153,7 @@ class Generation:
         self.draft_len: AdaptiveLength = make_draft_length(
             start, self.cfg.max_draft_len,
             self.cfg.adaptive_draft_len and not int(p["max_draft_len"]) and not self.cfg.tree_budget,  # chains only
-            self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior)
+            self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior, self.draft_evidence)
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
@@ -207,6 +210,7 @@ class Generation:
             return None, True
         if (len(reply.tokens) > k or any(t >= self.vocab_size for t in reply.tokens)
                 or (not self.params.is_greedy and len(reply.probs) not in (0, len(reply.tokens)))
+                or len(reply.scores) not in (0, len(reply.tokens)) or not all(map(math.isfinite, reply.scores))
                 or not _valid_distributions(reply.probs, self.vocab_size)):
             self._draft_failed(replica, "malformed", f"{len(reply.tokens)} tokens, {len(reply.probs)} distributions")
             return None, True
@@ -219,6 +223,20 @@ class Generation:
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
         return reply, False
+
+    def _verified_prefix(self, reply, limit: int):
+        """The part of a scored draft worth verifying (all of an unscored one, up to `limit`); None if none is."""
+        if not reply.scores or reply.tree_parents is not None:
+            return reply
+        d = self.draft_len.verify_len(reply.scores, limit)
+        if d < len(reply.tokens):
+            self.rec.stats["draft_tokens_trimmed"] += len(reply.tokens) - d
+            reply.tokens, reply.scores = reply.tokens[:d], reply.scores[:d]
+            reply.probs = reply.probs[:d]
+        if not reply.tokens:
+            self.rec.draft_pos = min(len(self.rec.committed), reply.cached_len)
+            return None
+        return reply
 
     def _draft_failed(self, replica, kind: str, detail: str | None) -> None:
         stats = self.rec.stats
@@ -270,6 +288,7 @@ class Generation:
         stats["draft_tokens_accepted"] += v.num_accepted
         stats["verify_ms"] += v.verify_ms
         self.draft_len.update(len(reply.tokens), v.num_accepted)
+        self.draft_len.observe_evidence(reply.scores, len(reply.tokens), v.num_accepted)
         if self.window is not None:
             self.window.add(len(reply.tokens), v.num_accepted)
         metrics.record_acceptance(len(reply.tokens), v.num_accepted)
@@ -320,11 +339,14 @@ class Generation:
             return tree_step(self, remaining)
         replica = self._pick_replica()
         if replica is not None:
-            reply, failed = self._take_prefetched(replica, k)
+            ask = min(self.draft_len.request_len(k), remaining - 1)  # more than k: a scored draft is trimmed
+            reply, failed = self._take_prefetched(replica, ask)
             if reply is None:
-                reply, failed = self._propose(replica, k)
+                reply, failed = self._propose(replica, ask)
             if reply is not None:
-                prefetch = self._start_prefetch(replica, reply, k)
+                reply = self._verified_prefix(reply, remaining - 1)
+            if reply is not None:
+                prefetch = self._start_prefetch(replica, reply, ask)
                 new = self._verify(reply)
                 self._finish_prefetch(prefetch, replica, reply, new)
                 return new, False
@@ -340,7 +362,7 @@ class Generation:
         if reply is None or self.prefetched_for != (len(self.rec.committed), replica.address):
             return None, False
         self.rec.stats["pipeline_hits"] += 1
-        reply.tokens, reply.probs = reply.tokens[:k], reply.probs[:k]
+        reply.tokens, reply.probs, reply.scores = reply.tokens[:k], reply.probs[:k], reply.scores[:k]
         return reply, False
 
     def _prefetch_pays(self) -> bool:
@@ -380,7 +402,8 @@ class Generation:
                 and (self.params.is_greedy or len(r.probs) in (0, len(r.tokens)))):
             from orchestrator.clients import DraftReply
 
-            self.prefetched = DraftReply(list(r.tokens[1:]), list(r.probs[1:]), r.cached_len, r.draft_ms, False)
+            self.prefetched = DraftReply(list(r.tokens[1:]), list(r.probs[1:]), r.cached_len, r.draft_ms, False,
+                                         scores=list(r.token_scores[1:]))
             self.prefetched_for = (len(self.rec.committed) + len(new), replica.address)
             self.rec.stats["draft_ms"] += r.draft_ms
 

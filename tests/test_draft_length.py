@@ -154,3 +154,40 @@ def test_profile_shape_survives_a_slow_spell():
     for n in (2, 4, 6, 8, 17):  # measured sizes (interpolated ones are linear here anyway)
         assert prof[n - 1] / prof[0] == pytest.approx(true[n] / true[1], rel=0.05)
     assert measure_profile(lambda n: 50.0, 1) == [50.0]
+
+
+def test_draft_evidence_learns_what_each_order_of_magnitude_of_score_means():
+    from orchestrator.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    assert ev.acceptance(700.0) == 0.5  # nothing seen: Beta(1, 1)
+    assert DraftEvidence.bucket(512.0) == 3 and DraftEvidence.bucket(511.0) == 2 and DraftEvidence.bucket(0.0) == -3
+    for _ in range(50):
+        ev.update([4096.0, 4096.0, 4096.0], verified=3, accepted=3)  # strong evidence: always accepted
+        ev.update([10.0, 10.0], verified=2, accepted=0)                # weak evidence: rejected at once
+    assert ev.acceptance(5000.0) > 0.95 and ev.acceptance(20.0) < 0.05
+    before = ev.acceptance(0.3)
+    ev.update([4096.0, 0.3, 0.3], verified=3, accepted=0)  # only the first token was tested
+    assert ev.acceptance(0.3) == before
+
+
+def test_goodput_verifies_only_the_scored_prefix_that_pays():
+    from orchestrator.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(100):
+        ev.update([5000.0] * 4, verified=4, accepted=4)
+        ev.update([600.0, 600.0, 9.0], verified=3, accepted=2)
+        ev.update([9.0, 9.0], verified=2, accepted=0)
+    steep = [60.0 + 10 * n for n in range(17)]  # every verified token costs a sixth of a step
+    d = GoodputDraftLength(16, TargetCost(steep), evidence=ev)
+    assert d.request_len(3) == 3  # until the drafter has sent scores, ask for k
+    assert d.verify_len([5000.0] * 8, limit=16) >= 7  # sure tokens: long blocks pay despite the cost
+    assert d.request_len(3) == GoodputDraftLength.EVIDENCE_REQUEST  # now ask for more, and trim
+    assert d.verify_len([600.0, 600.0, 9.0, 9.0], limit=16) == 2  # the weak tail is not worth verifying
+    assert d.verify_len([9.0, 9.0, 9.0], limit=16) == 1           # none is, but drafting at all is k's call
+    assert d.verify_len([5000.0] * 8, limit=3) == 3               # never past the tokens left to generate
+    plain = GoodputDraftLength(16, TargetCost(steep))            # no evidence: the whole draft, as drafted
+    assert plain.verify_len([9.0] * 5, limit=16) == 5 and plain.request_len(3) == 3
+    fixed = DraftLength(4, 16, adaptive=False)
+    assert fixed.request_len(4) == 4 and fixed.verify_len([9.0] * 4, limit=16) == 4

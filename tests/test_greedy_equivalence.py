@@ -180,3 +180,28 @@ def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
         assert paused == st["speculation_paused_steps"]
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "local:ngram"], ids=["ngram-service", "local-ngram"])
+def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
+    """The n-gram drafter scores its tokens; the goodput policy asks for longer drafts and verifies only the prefix
+    its learned evidence says pays (a target where every verified token costs a sixth of a step). Trimming
+    changes what is verified, never the output."""
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms=[60.0 + 10 * n for n in range(17)])
+    try:
+        totals = {"draft_tokens_trimmed": 0, "verify_steps": 0, "draft_tokens_accepted": 0}
+        for _ in range(3):  # the evidence is learned across sessions
+            for prompt in PROMPTS:
+                ref = s.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+                got = s.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+                assert got.token_ids == ref.token_ids
+                for key in totals:
+                    totals[key] += got.stats[key]
+        assert s.servicer.draft_evidence._accepted  # scores reached the orchestrator and were learned from
+    finally:
+        s.stop()
+    assert totals["verify_steps"] > 0 and totals["draft_tokens_accepted"] > 0
+    assert totals["draft_tokens_trimmed"] > 0

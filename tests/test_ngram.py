@@ -70,3 +70,17 @@ def test_get_tree_syncs_the_session_like_get_candidates():
     assert max(tree.depths(t.parents)) < 2
     t = p.get_tree("s", 7, [5], TreeShape(budget=4), SamplingParams(), 0, 1)  # a rejected last token replaced
     assert t.cached_len == 8 and p.session_tokens("s")[-1] == 5
+
+
+def test_each_drafted_token_carries_the_votes_for_its_path():
+    from specdec.sampling import SamplingParams
+
+    p = NgramProposer(vocab_size=64)
+    context = [7, 8, 1, 7, 8, 2, 7, 9, 3, 7]
+    path, votes = p.lookup_scored(context, 3)
+    assert path == p.lookup(context, 3) == [8, 2, 7]
+    # (7 -> 8) is voted by two 1-token matches of 8 each; (8, 2) by one of them; a longer path never scores more
+    assert votes == [16.0, 8.0, 8.0] and votes == sorted(votes, reverse=True)
+    got = p.get_candidates("s", 0, context, 3, SamplingParams(), 0, 0)
+    assert got.tokens == path and got.scores == votes
+    assert p.lookup_scored([1, 2, 3], 4) == ([], [])  # no match, no draft

@@ -12,9 +12,9 @@ FLAT = [10.0, 11, 11, 11, 11, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 def test_positions_are_the_drafts_matched_prefixes():
     reply = [7, 8, 9, 7, 8, 4]
-    table = positions([1, 2], reply, lambda ctx, n: [7, 8, 9][:n])  # the same draft everywhere
-    assert table[0] == Position(3, 3) and table[3] == Position(3, 2) and table[1] == Position(3, 0)
-    assert table[5] == Position(3, 0)
+    table = positions([1, 2], reply, lambda ctx, n: ([7, 8, 9][:n], [3.0, 2.0, 1.0][:n]))  # the same draft
+    assert table[0] == Position(3, 3, (3.0, 2.0, 1.0)) and table[3].matched == 2 and table[1].matched == 0
+    assert table[5].drafted == 3 and table[5].matched == 0
 
 
 def test_replay_commits_accepted_plus_one_and_costs_the_block():
@@ -54,7 +54,7 @@ def test_replay_matches_the_real_loop_step_for_step(redis_url, k):
         vocab = s.target_engine.loaded.vocab_size
     finally:
         s.stop()
-    table = positions(prompt, got.token_ids, NgramProposer(vocab_size=vocab).lookup)
+    table = positions(prompt, got.token_ids, NgramProposer(vocab_size=vocab).lookup_scored)
     tokens, _, verifies, plain = replay([table], k, FLAT)
     st = got.stats
     assert tokens == st["generated_tokens"] == 60
@@ -70,4 +70,4 @@ def test_compare_ranks_policies_on_the_same_tables():
     assert by["target-only"]["speedup_vs_target_only"] == 1.0
     assert by["fixed k=5"]["speedup_vs_target_only"] > by["fixed k=1"]["speedup_vs_target_only"] > 0
     assert all(r["tokens"] == 80 for r in rows)
-    assert "goodput (default adaptive)" in by and "heuristic (transformers: +2 / -1)" in by
+    assert "goodput + draft scores (default adaptive)" in by and "heuristic (transformers: +2 / -1)" in by

@@ -153,3 +153,30 @@ def test_goodput_draft_length_sampling_matches_target_distribution(redis_url, ex
     assert len(lengths) > 1, f"the policy must choose different draft lengths for this to test anything: {lengths}"
     _, p_value = chi_square_test(samples, expected)
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
+
+
+def test_scored_ngram_drafts_trimmed_by_goodput_keep_the_target_distribution(redis_url):
+    """The n-gram drafter (one-hot q) with the goodput policy trimming each draft by its scores: how much is
+    verified depends on the draft and on earlier outcomes, never on the verifier's coins of this block, so the
+    output must stay the target's distribution."""
+    from orchestrator.generation import LoopConfig
+
+    # The prompt holds the target's own greedy continuation of PROMPT, then PROMPT again: the n-gram drafter
+    # proposes likely tokens, so drafts are accepted often enough to be drafted, scored and trimmed.
+    greedy = model(TARGET).model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0].tolist()
+    prompt = greedy + PROMPT
+    cfg = LoopConfig(adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, target=TARGET, draft="local:ngram", cfg=cfg, forward_ms=[60.0 + 10 * n for n in range(17)])
+    try:
+        samples, trimmed, verified = [], 0, 0
+        for seed in range(N_POLICY_SAMPLES):
+            r = s.client.generate(prompt, max_new_tokens=N_TOKENS + 2, seed=seed, ignore_eos=True, **PARAMS)
+            samples.append(tuple(r.token_ids[:N_TOKENS]))
+            trimmed += r.stats["draft_tokens_trimmed"]
+            verified += r.stats["verify_steps"]
+    finally:
+        s.stop()
+    assert trimmed > 0 and verified > 0, "the drafts must be trimmed for this to test anything"
+    _, p_value = chi_square_test(samples, exact_target_distribution(SamplingParams(**PARAMS), prompt))
+    assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"

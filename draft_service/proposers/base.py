@@ -16,6 +16,7 @@ class Proposal:
     # float16 [k, V]: the distribution each token was drawn from (sampling with a model draft), else None.
     probs_fp16: torch.Tensor | None
     cached_len: int  # committed-or-drafted tokens the proposer holds for the session afterwards
+    scores: list[float] | None = None  # evidence per token (ProposeResponse.token_scores), if the drafter has any
 
 
 class Proposer(abc.ABC):

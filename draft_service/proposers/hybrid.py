@@ -38,7 +38,7 @@ class HybridProposer(Proposer):
         if found.tokens:
             self.ngram_proposals += 1
             # Report what BOTH hold, so the next request resends whatever the model has not seen yet.
-            return Proposal(found.tokens, None, min(found.cached_len, self._model_len(session_id)))
+            return Proposal(found.tokens, None, min(found.cached_len, self._model_len(session_id)), found.scores)
         # The n-gram side now holds the whole context: feed the model what it lacks from there.
         context = self.ngram.session_tokens(session_id)
         have = min(self._model_len(session_id), prefix_len)

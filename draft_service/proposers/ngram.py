@@ -66,7 +66,8 @@ class NgramProposer(Proposer):
     def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
                        min_confidence=0.0) -> Proposal:
         tokens = self._sync(session_id, prefix_len, delta)
-        return Proposal(self.lookup(tokens, max_len), None, len(tokens))
+        path, scores = self.lookup_scored(tokens, max_len)
+        return Proposal(path, None, len(tokens), scores)
 
     def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step) -> TreeProposal:
         """Tree speculation: the `shape.budget` best-scoring continuations (shape's branching knobs are the
@@ -78,14 +79,20 @@ class NgramProposer(Proposer):
 
     def lookup(self, tokens: list[int], max_len: int) -> list[int]:
         """The best-scoring path of at most max_len tokens."""
+        return self.lookup_scored(tokens, max_len)[0]
+
+    def lookup_scored(self, tokens: list[int], max_len: int) -> tuple[list[int], list[float]]:
+        """The best-scoring path and, per token, the votes for the path up to it (non-increasing)."""
         scores = self.continuation_scores(tokens, max_len)
         path: tuple[int, ...] = ()
+        votes = []
         while len(path) < max_len:
             kids = [p for p in scores if len(p) == len(path) + 1 and p[:-1] == path]
             if not kids:
                 break
             path = max(kids, key=scores.__getitem__)  # ties: the first voted (longer, more recent match)
-        return list(path)
+            votes.append(scores[path])
+        return list(path), votes
 
     def lookup_tree(self, tokens: list[int], budget: int, max_depth: int) -> tuple[list[int], list[int]]:
         """The `budget` best-scoring trie nodes (a node never scores above its parent, so they form a tree

@@ -32,15 +32,17 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., max_draft_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., min_confidence: _Optional[float] = ..., tree_budget: _Optional[int] = ..., tree_branch: _Optional[int] = ..., tree_branch_below: _Optional[float] = ..., tree_max_depth: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tokens", "probs", "cached_len", "draft_ms", "tree")
+    __slots__ = ("tokens", "probs", "cached_len", "draft_ms", "tree", "token_scores")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SCORES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     cached_len: int
     draft_ms: float
     tree: _common_pb2.TokenTree
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    token_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., cached_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., token_scores: _Optional[_Iterable[float]] = ...) -> None: ...
