@@ -231,6 +231,7 @@ class Generation:
         d = self.draft_len.verify_len(reply.scores, limit)
         if d < len(reply.tokens):
             self.rec.stats["draft_tokens_trimmed"] += len(reply.tokens) - d
+            metrics.record_trimmed(len(reply.tokens) - d)
             reply.tokens, reply.scores = reply.tokens[:d], reply.scores[:d]
             reply.probs = reply.probs[:d]
         if not reply.tokens:

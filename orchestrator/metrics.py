@@ -24,6 +24,9 @@ def _instruments():
         "load_shed": meter.create_counter("specdec.speculation.load_shed_steps", unit="{step}",
                                           description="steps decoded target-only because too many sessions were "
                                                       "generating (--speculation-max-sessions)"),
+        "trimmed": meter.create_counter("specdec.draft.tokens_trimmed", unit="{token}",
+                                        description="drafted tokens not verified: their scores said verifying them "
+                                                    "would not pay (goodput draft length)"),
         "paused": meter.create_counter("specdec.speculation.paused_steps", unit="{step}",
                                        description="steps decoded target-only because no draft length paid "
                                                    "(goodput draft length)"),
@@ -52,6 +55,10 @@ def record_degraded(seconds: float) -> None:
 
 def record_load_shed() -> None:
     _instruments()["load_shed"].add(1)
+
+
+def record_trimmed(tokens: int) -> None:
+    _instruments()["trimmed"].add(tokens)
 
 
 def record_paused() -> None:

@@ -14,6 +14,8 @@ import time
 import weakref
 from urllib.parse import urlsplit, urlunsplit
 
+from orchestrator.draft_length import GoodputDraftLength
+
 DRAFT_INFO_TIMEOUT_S = 0.5  # how long an outline request may wait on the draft's GetInfo
 DRAFT_INFO_TTL_S = 60.0     # re-ask a reachable draft after this long (it may have been replaced)
 DRAFT_RETRY_S = 5.0         # re-ask an unreachable draft after this long
@@ -200,7 +202,10 @@ def _draft_strategy(servicer, view: dict) -> dict:
                   "(its start-up profile, scaled by the load it reports; on a batching target, for k + 1 tokens "
                   "from every generating session, so drafts shrink as load grows) plus the measured draft cost; a = the "
                   "session's recent per-token acceptance; k = 0 (target-only) when no k pays, probed again every "
-                  "few steps; a request's max_draft_len fixes k instead")
+                  "few steps; a drafter that scores its tokens (n-gram) is asked for up to "
+                  f"{GoodputDraftLength.EVIDENCE_REQUEST} and only the prefix that pays is verified (at least one "
+                  "token), by the acceptance each order of magnitude of score has shown across sessions; a request's "
+                  "max_draft_len fixes k instead")
     elif adaptive:
         policy = (f"adaptive per session (heuristic): starts at {default_k}, +2 after a fully accepted block, -1 "
                   f"after a rejection, within 1..{max_k}; a request's max_draft_len fixes k instead")

@@ -189,9 +189,15 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     changes what is verified, never the output."""
     from orchestrator.generation import LoopConfig
 
+    from orchestrator.outline import build_outline
+    from specdec import telemetry
+
+    telemetry.ensure_providers("specdec-test")  # the process-wide providers, named as tests/test_observability.py does
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms=[60.0 + 10 * n for n in range(17)])
+    before = telemetry.snapshot()
     try:
+        assert "only the prefix that pays is verified" in build_outline(s.servicer)["draftStrategy"]["draftLength"]["policy"]
         totals = {"draft_tokens_trimmed": 0, "verify_steps": 0, "draft_tokens_accepted": 0}
         for _ in range(3):  # the evidence is learned across sessions
             for prompt in PROMPTS:
@@ -201,7 +207,10 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
                 for key in totals:
                     totals[key] += got.stats[key]
         assert s.servicer.draft_evidence._accepted  # scores reached the orchestrator and were learned from
+        trimmed = (telemetry.metric_value(telemetry.snapshot(), "specdec.draft.tokens_trimmed")
+                   - telemetry.metric_value(before, "specdec.draft.tokens_trimmed"))
     finally:
         s.stop()
+    assert trimmed == totals["draft_tokens_trimmed"]
     assert totals["verify_steps"] > 0 and totals["draft_tokens_accepted"] > 0
     assert totals["draft_tokens_trimmed"] > 0
