@@ -8,7 +8,12 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+from specdec import telemetry  # noqa: E402
 from specdec.redis_server import RedisServer  # noqa: E402
+
+# The OpenTelemetry providers are process-wide and the first caller names them: name them here, before any
+# test's services do, so a test that reads the service name sees the same one whichever tests ran first.
+telemetry.ensure_providers("specdec-test")
 
 
 @pytest.fixture(scope="session")

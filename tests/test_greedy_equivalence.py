@@ -192,7 +192,6 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     from orchestrator.outline import build_outline
     from specdec import telemetry
 
-    telemetry.ensure_providers("specdec-test")  # the process-wide providers, named as tests/test_observability.py does
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms=[60.0 + 10 * n for n in range(17)])
     before = telemetry.snapshot()
