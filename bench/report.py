@@ -104,6 +104,11 @@ def markdown(res: dict) -> str:
         lines += [""] + [f"- {c['label']}: {c['pipeline']['prefetches']:.0f} blocks prefetched, "
                          f"{c['pipeline']['hits']:.0f} used, over {c['pipeline']['verify_steps']:.0f} verify steps"
                          for c in pipes]
+    trimmed = [c for c in res["configs"] if c.get("trimmed_per_verify")]
+    if trimmed:
+        lines += [""] + [f"- {c['label']}: {c['mean_draft_len']:.2f} tokens verified per step, "
+                         f"{c['trimmed_per_verify']:.2f} more drafted and trimmed (their scores said verifying "
+                         "them would not pay)" for c in trimmed]
     hf = [c for c in res["configs"] if c.get("settings")]
     if hf:
         lines += [""] + [f"- {c['label']}: " + ", ".join(f"{k}={v}" for k, v in c["settings"].items() if k != "note")

@@ -503,7 +503,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
 def _sum_stats(samples: list[Sample]) -> dict:
     keys = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "decode_steps", "fallback_steps",
             "draft_failures", "draft_ms", "verify_ms", "wall_ms", "pipeline_prefetches", "pipeline_hits",
-            "load_shed_steps", "decode_ms")
+            "load_shed_steps", "decode_ms", "draft_tokens_trimmed")
     out = {k: sum(float(s.stats.get(k, 0) or 0) for s in samples) for k in keys}
     kinds: dict[str, float] = {}
     for s in samples:
@@ -597,7 +597,8 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
     mal = (accepted + v) / v
     out["acceptance_rate"] = accepted / proposed
     out["mean_accepted_length"] = mal
-    out["mean_draft_len"] = g_mean
+    out["mean_draft_len"] = g_mean  # tokens verified per step: a scored draft's trimmed tail is not counted
+    out["trimmed_per_verify"] = st["draft_tokens_trimmed"] / v
     alpha = analysis.alpha_from_accepted_length(mal, g_mean)
     out["alpha"] = alpha
     draft_ms_per_token = st["draft_ms"] / proposed
