@@ -252,7 +252,6 @@ class GoodputDraftLength:
             if self.paused_steps >= self.PROBE_EVERY:
                 self.k = self._argmax(1, self.cost.rows())
 
-
     def request_len(self, k: int) -> int:
         if self.evidence is None or not self.scored:
             return k

@@ -224,20 +224,15 @@ class Generation:
             return None, False
         return reply, False
 
-    def _verified_prefix(self, reply, limit: int):
-        """The part of a scored draft worth verifying (all of an unscored one, up to `limit`); None if none is."""
-        if not reply.scores or reply.tree_parents is not None:
-            return reply
+    def _trim_to_verified_prefix(self, reply, limit: int) -> None:
+        """Cut a scored draft to the prefix worth verifying (at least one token); an unscored one stays whole."""
+        if not reply.scores:
+            return
         d = self.draft_len.verify_len(reply.scores, limit)
         if d < len(reply.tokens):
             self.rec.stats["draft_tokens_trimmed"] += len(reply.tokens) - d
             metrics.record_trimmed(len(reply.tokens) - d)
-            reply.tokens, reply.scores = reply.tokens[:d], reply.scores[:d]
-            reply.probs = reply.probs[:d]
-        if not reply.tokens:
-            self.rec.draft_pos = min(len(self.rec.committed), reply.cached_len)
-            return None
-        return reply
+            reply.tokens, reply.scores, reply.probs = reply.tokens[:d], reply.scores[:d], reply.probs[:d]
 
     def _draft_failed(self, replica, kind: str, detail: str | None) -> None:
         stats = self.rec.stats
@@ -345,8 +340,7 @@ class Generation:
             if reply is None:
                 reply, failed = self._propose(replica, ask)
             if reply is not None:
-                reply = self._verified_prefix(reply, remaining - 1)
-            if reply is not None:
+                self._trim_to_verified_prefix(reply, remaining - 1)
                 prefetch = self._start_prefetch(replica, reply, ask)
                 new = self._verify(reply)
                 self._finish_prefetch(prefetch, replica, reply, new)

@@ -22,7 +22,7 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                         "--no-adaptive-draft-len keeps --draft-len fixed)")
     p.add_argument("--pipeline", choices=["off", "on", "auto"], default="auto",
                    help="draft block k+1 while the target verifies block k (auto: where measured to pay)")
-    p.add_argument("--batch-window-ms", type=float, default=None,
+    p.add_argument("--batch-window-ms", type=float,
                    help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
                         "0 for `run`'s one session)")
     p.add_argument("--store", choices=["redis", "memory"], default="redis")
@@ -38,7 +38,7 @@ def _stack_config(args):
     return StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                        draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
-                       batch_window_ms=args.batch_window_ms if args.batch_window_ms is not None else args.default_batch_window_ms,
+                       batch_window_ms=args.batch_window_ms,
                        store=args.store, threads=args.threads, device=args.device, dtype=args.dtype)
 
 
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
-    up.set_defaults(func=cmd_up, default_batch_window_ms=5.0)
+    up.set_defaults(func=cmd_up, batch_window_ms=5.0)
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
     gen.add_argument("prompt")
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["speculative", "target-only"], default="speculative")
     _stack_arguments(run)
     _generation_arguments(run)
-    run.set_defaults(func=cmd_run, default_batch_window_ms=0.0)
+    run.set_defaults(func=cmd_run, batch_window_ms=0.0)
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
     sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "

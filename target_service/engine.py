@@ -173,8 +173,8 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
                 ones.append(after)
             before = after
     one = statistics.median(ones)
-    fitted = dict(zip([1, *grid], (one * r for r in _isotonic([1.0, *(statistics.median(ratios[n]) for n in grid)]))))
-    measured = sorted(fitted)
+    measured = [1, *grid]
+    fitted = dict(zip(measured, (one * r for r in _isotonic([1.0, *(statistics.median(ratios[n]) for n in grid)]))))
     out = []
     for n in range(1, max_tokens + 1):
         if n in fitted:
