@@ -1,22 +1,48 @@
-"""Prepacked oneDNN linear layers for CPU inference.
+"""Fast linear layers for CPU inference: a native few-row GEMM and oneDNN-prepacked weights.
 
-`torch.nn.Linear` on CPU calls a GEMM that re-packs the weight on every call. For one token (M = 1) that is
-a cheap GEMV, but for the small M of a verify block (g + 1 tokens) or a batch of sessions the packing costs
-as much as the product: on this machine's CPU (1 thread, float32) a 5-token forward of SmolLM2 took ~1.7x a
-1-token step. Packing each weight once into oneDNN's blocked layout (what inductor's CPU freezing does)
-makes a 2-8 token forward cost much less than it did (6 tokens ~1.4x a 1-token step here), which is the
-premise of speculative decoding. A single token is a GEMV bound by memory bandwidth, where oneDNN's packed call
-only adds fixed cost: on the AVX2 CPU of session 12, a SmolLM2 1-token step took 80 ms with every large layer
-packed and 73 ms with the projections under SINGLE_ROW_PACKED_MIN_ELEMENTS run plain at one row (the LM head,
-far larger, stays faster packed). Results are float32 GEMMs as before (differences ~1e-5 from the unpacked
-layer, the same order as between two block sizes).
+`torch.nn.Linear` on CPU calls a GEMM that re-packs the weight on every call. For one token (M = 1) that is a
+GEMV, but for the small M of a verify block (g + 1 tokens) the packing costs as much as the product: a 5-token
+forward of SmolLM2 took ~1.7x a 1-token step. Packing each weight once into oneDNN's blocked layout (what
+inductor's CPU freezing does) brought a 6-token forward to ~1.5x a step (session 12's AVX2 CPU). At these M a
+layer is bound by streaming its weight from memory, and oneDNN's kernel lets the FMAs and the stream take
+turns; `csrc/skinny_gemm.cpp` (AVX2 + FMA, built with g++ at first use and cached) reads each weight row once
+for up to 6 input rows and prefetches the next rows meanwhile: on that CPU a 1536x576 layer streamed from
+memory took 219 us at one row and 281 at six (oneDNN packed: 259 / 373; plain: 282 / 534), and SmolLM2's
+forward went from 74 to 65 ms at one token and from 115 to 84 ms at six (1.55 -> 1.29 steps).
+
+So a FastLinear runs up to NATIVE_MAX_ROWS rows natively (float32, one torch thread: the kernel is
+single-threaded), more rows through the oneDNN-packed weight (packed on first use), and anything else
+(bfloat16, grad, other devices) as before. The native kernel's rows are independent (each output is summed in
+the same order whatever M is), so a verify block's projections equal the decode step's bit for bit.
+SPECDEC_NATIVE_GEMM=off turns it off; without g++, AVX2 or FMA it is skipped with one log line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+NATIVE_SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
+NATIVE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+NATIVE_VERSION = 1
+# Rows up to which the native kernel beats oneDNN's packed GEMM here (a 1536x576 layer: 12 rows 460 vs 548 us,
+# 16 rows about even, 24 rows 1073 vs 803).
+NATIVE_MAX_ROWS = 12
+# Smaller layers stay nn.Linear: a ctypes call costs a few microseconds, as much as such a product.
+NATIVE_MIN_ELEMENTS = 1 << 14
 
 
 def available() -> bool:
@@ -37,19 +63,110 @@ def packable(dtype: torch.dtype) -> bool:
     return True
 
 
-class PackedLinear(torch.nn.Module):
-    """Inference-only drop-in for nn.Linear with its weight prepacked for oneDNN. Keeps `weight` (tied
-    embeddings, save_pretrained and anything else that reads it still see the original tensor); the packed
-    copy is derived from it and rebuilt when the weight changes (`.to(dtype)`, a load), and is never copied
-    or pickled (oneDNN's opaque tensors cannot be)."""
+def kernel_dir() -> pathlib.Path:
+    """``$SPECDEC_KERNEL_DIR`` or ``<model cache>/kernels``: where built native kernels are kept."""
+    env = os.environ.get("SPECDEC_KERNEL_DIR")
+    if env:
+        return pathlib.Path(env).expanduser()
+    from specdec.models import cache_dir  # models imports this module
 
-    def __init__(self, linear: torch.nn.Linear):
+    return cache_dir() / "kernels"
+
+
+def _native_unsupported_reason() -> str | None:
+    if os.environ.get("SPECDEC_NATIVE_GEMM", "auto").lower() in ("0", "off", "false", "no"):
+        return "SPECDEC_NATIVE_GEMM=off"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{platform.machine()} is not x86-64"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"this CPU has no AVX2 + FMA (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
+def build_native(directory: pathlib.Path | None = None, cxx: str | None = None) -> pathlib.Path:
+    """Compile csrc/skinny_gemm.cpp once per source and flags (the file name carries their hash) and return
+    the shared library. Safe when several processes build at once: each writes a temporary file and renames."""
+    cxx = cxx or os.environ.get("CXX") or "g++"
+    compiler = shutil.which(cxx)
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
+    source = NATIVE_SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(NATIVE_FLAGS).encode()).hexdigest()[:16]
+    directory = directory or kernel_dir()
+    target = directory / f"skinny_gemm-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *NATIVE_FLAGS, "-o", tmp, str(NATIVE_SOURCE)], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the native GEMM kernel %s in %.1fs", target, time.monotonic() - t0)
+    return target
+
+
+@functools.cache
+def native_gemm():
+    """The native kernel's entry point (ctypes, releases the GIL while it runs), or None where it cannot be
+    used here (the reason is logged once)."""
+    reason = _native_unsupported_reason()
+    if reason is None:
+        try:
+            lib = ctypes.CDLL(str(build_native()))
+            if lib.specdec_skinny_gemm_version() != NATIVE_VERSION:
+                raise RuntimeError("the built kernel's version does not match this code")
+            fn = lib.specdec_skinny_gemm
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+            fn.restype = ctypes.c_int
+            return fn
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            reason = str(e)
+    logger.info("native few-row GEMM not used (%s): linear layers run on oneDNN / the plain kernel", reason)
+    return None
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias on the native kernel: float32 CPU tensors, weight and bias contiguous, at most
+    NATIVE_MAX_ROWS rows in x (all but its last dimension)."""
+    fn = native_gemm()
+    if fn is None:
+        raise RuntimeError("the native GEMM kernel is not available here")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"native_linear: x has {x.shape[-1]} features, the weight {k}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m = x.numel() // k if k else 0
+    if not 1 <= m <= NATIVE_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError(f"native_linear takes 1..{NATIVE_MAX_ROWS} float32 rows, got {m} {x.dtype}")
+    y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+    if fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k):
+        raise RuntimeError(f"native GEMM refused {m} x {k} @ {k} x {n}")
+    return y
+
+
+class FastLinear(torch.nn.Module):
+    """Inference-only drop-in for nn.Linear on CPU. Keeps `weight` (tied embeddings, save_pretrained and
+    anything else that reads it still see the original tensor). A call runs on the native kernel when it can
+    (see the module docstring); otherwise, with `pack`, on a oneDNN-packed copy of the weight, derived from it
+    on first use and rebuilt when the weight changes (`.to(dtype)`, a load), never copied or pickled (oneDNN's
+    opaque tensors cannot be); otherwise as nn.Linear."""
+
+    def __init__(self, linear: torch.nn.Linear, pack: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.pack = pack
         self._packed, self._packed_for = None, None
-        self._pack()
 
     def _key(self):
         w = self.weight
@@ -66,17 +183,30 @@ class PackedLinear(torch.nn.Module):
             self._packed_for = key
         return self._packed
 
-    def packed_for(self, rows: int) -> bool:
-        """Whether a call on `rows` input rows uses the packed weight (one row of a layer this small is a GEMV
-        that the plain kernel does faster)."""
-        return rows > 1 or self.weight.numel() >= SINGLE_ROW_PACKED_MIN_ELEMENTS
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """Which kernel a call on `x` runs: native, packed or plain. (Per call, so kept to cheap checks.)"""
+        w = self.weight
+        if not (x.is_cpu and w.is_cpu) or x.dtype != w.dtype or (torch.is_grad_enabled() and (
+                x.requires_grad or w.requires_grad)):
+            return "plain"
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if (w.dtype is torch.float32 and 1 <= rows <= NATIVE_MAX_ROWS and torch.get_num_threads() == 1
+                and native_gemm() is not None and w.is_contiguous()
+                and (self.bias is None or self.bias.is_contiguous())):
+            return "native"
+        # One row of a block projection is a bandwidth-bound GEMV, where oneDNN's packed call only adds fixed
+        # cost (80 -> 73 ms a SmolLM2 step when these ran plain); an LM-head-sized layer is faster packed.
+        if self.pack and packable(w.dtype) and (rows > 1 or w.numel() >= SINGLE_ROW_PACKED_MIN_ELEMENTS):
+            return "packed"
+        return "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (w.device.type != "cpu" or x.dtype != w.dtype or not packable(w.dtype)
-                or not self.packed_for(x.shape[:-1].numel())):
-            return torch.nn.functional.linear(x, w, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
+        kernel = self.kernel_for(x)
+        if kernel == "native":
+            return native_linear(x, self.weight, self.bias)
+        if kernel == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -84,27 +214,33 @@ class PackedLinear(torch.nn.Module):
         return state
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn-prepacked"
+        return f"in_features={self.in_features}, out_features={self.out_features}, pack={self.pack}"
 
 
 # A oneDNN call has ~20 us more fixed cost than a plain one (measured here): small layers run faster unpacked.
 # Above this size packing wins (SmolLM2's 576x576 attention and 576x1536 MLP weights, every LM head); the tiny
 # test models and a 256-wide draft's attention stay plain.
 MIN_PACKED_ELEMENTS = 1 << 18
-# At one row, only layers at least this large run packed: the LM heads (SmolLM2's is 28M entries: 8 ms packed,
-# 10 ms plain), not the transformer blocks' projections (SmolLM2's largest is 0.9M entries).
+# Without the native kernel, at one row only layers at least this large run packed: the LM heads (SmolLM2's is
+# 28M entries: 8 ms packed, 10 ms plain), not the transformer blocks' projections (the largest is 0.9M entries).
 SINGLE_ROW_PACKED_MIN_ELEMENTS = 1 << 22
 
 
 def prepack_linears(model: torch.nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> int:
-    """Replace each nn.Linear of a CPU float32/bfloat16 model (bfloat16 where this CPU can pack it) whose weight
-    has more than `min_elements` entries by a PackedLinear; returns how many."""
+    """Replace the nn.Linear layers of a CPU model by FastLinear where that pays: every float32 layer with
+    more than NATIVE_MIN_ELEMENTS entries when the native kernel is available, and every layer oneDNN can pack
+    with more than `min_elements` (those also pack for calls beyond the native kernel's rows). Returns how
+    many were replaced."""
+    native = native_gemm() is not None
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (type(child) is torch.nn.Linear and child.weight.numel() > min_elements
-                    and child.weight.device.type == "cpu" and packable(child.weight.dtype)):
-                setattr(module, name, PackedLinear(child))
+            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
+                continue
+            pack = child.weight.numel() > min_elements and packable(child.weight.dtype)
+            if pack or (native and child.weight.dtype == torch.float32
+                        and child.weight.numel() > NATIVE_MIN_ELEMENTS):
+                setattr(module, name, FastLinear(child, pack=pack))
                 count += 1
     return count
 

@@ -1,0 +1,110 @@
+// y[M,N] = x[M,K] @ w[N,K]^T (+ bias): float32 linear layers for the few rows of a decode step or a verify block,
+// on AVX2 + FMA, one thread. Built and loaded by specdec/cpu_kernels.py (g++ at first use, cached).
+//
+// Why: at 1-16 rows a linear layer is bound by streaming its weight from memory. oneDNN's packed GEMM makes the
+// FMAs and the weight stream take turns (a 6-row call of a 1536x576 layer took 1.3x a 1-row one); here each
+// weight row is read once for every input row (up to 6 rows of x stay in registers), and the next rows are
+// prefetched while these are multiplied, so a 6-row call costs little more than the stream.
+//
+// Each output y[m][n] is accumulated in its own register over k in the same order whatever M is, so a row's
+// result does not depend on which other rows share the call: a verify block's projections equal the decode
+// step's bit for bit (FP contraction is off for the scalar tail; the vector FMAs are explicit).
+#include <immintrin.h>
+#include <math.h>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  lo = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, lo);
+  return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+
+// MR rows of x against NR rows of w; `prefetch` (may be null) is where the stream continues.
+template <int MR, int NR>
+void block(const float* x, long K, const float* w, float* y, long ldy, const float* bias, const float* prefetch) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+  long k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if (prefetch && (k & 15) == 0)  // one prefetch per 64-byte line of each upcoming weight row
+      for (int n = 0; n < NR; n++) _mm_prefetch((const char*)(prefetch + n * K + k), _MM_HINT_T0);
+    __m256 wv[NR];
+    for (int n = 0; n < NR; n++) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int m = 0; m < MR; m++) {
+      __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; n++) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) {
+      float s = hsum(acc[m][n]);
+      for (long t = k; t < K; t++) s = fmaf(x[m * K + t], w[n * K + t], s);
+      if (bias) s += bias[n];
+      y[m * ldy + n] = s;
+    }
+}
+
+typedef void (*BlockFn)(const float*, long, const float*, float*, long, const float*, const float*);
+
+template <int NR>
+BlockFn pick(int mr) {
+  switch (mr) {
+    case 1: return block<1, NR>;
+    case 2: return block<2, NR>;
+    case 3: return block<3, NR>;
+    case 4: return block<4, NR>;
+    case 5: return block<5, NR>;
+    default: return block<6, NR>;
+  }
+}
+
+// Weight rows per block: enough independent accumulators to keep both FMA pipes busy, at most 12 + loads in
+// the 16 ymm registers.
+int rows_per_block(int mr) { return mr == 1 ? 8 : mr <= 3 ? 4 : 2; }
+
+const int kMaxChunks = 16;
+const long kPrefetchBlocks = 2;  // how far ahead (in weight blocks) the stream is prefetched
+
+}  // namespace
+
+extern "C" {
+
+int specdec_skinny_gemm_version() { return 1; }
+long specdec_skinny_gemm_max_rows() { return 6L * kMaxChunks; }
+
+// Returns 0, or -1 when M is outside 1 .. max_rows. x, w, y contiguous; bias null or N floats.
+int specdec_skinny_gemm(const float* x, const float* w, const float* bias, float* y, long M, long N, long K) {
+  if (M < 1 || M > 6L * kMaxChunks) return -1;
+  // Rows in chunks of at most 6, as even as possible; every chunk runs against a weight block while it is in L1.
+  int chunks = (int)((M + 5) / 6), base = (int)(M / chunks), extra = (int)(M % chunks);
+  int nr = chunks == 1 ? rows_per_block((int)M) : 2;
+  BlockFn main_fn[kMaxChunks], tail_fn[kMaxChunks];
+  long first_row[kMaxChunks];
+  long row = 0;
+  for (int c = 0; c < chunks; c++) {
+    int mr = base + (c < extra);
+    first_row[c] = row;
+    row += mr;
+    main_fn[c] = nr == 8 ? pick<8>(mr) : nr == 4 ? pick<4>(mr) : pick<2>(mr);
+    tail_fn[c] = pick<1>(mr);
+  }
+  long n = 0;
+  for (; n + nr <= N; n += nr) {
+    const float* wn = w + n * K;
+    // One row is the pure stream the hardware prefetcher already follows; software prefetch only costs there.
+    const float* ahead = (M > 1 && n + (kPrefetchBlocks + 1) * nr <= N) ? wn + kPrefetchBlocks * nr * K : nullptr;
+    for (int c = 0; c < chunks; c++)
+      main_fn[c](x + first_row[c] * K, K, wn, y + first_row[c] * N + n, N, bias ? bias + n : nullptr,
+                 c == 0 ? ahead : nullptr);
+  }
+  for (; n < N; n++)
+    for (int c = 0; c < chunks; c++)
+      tail_fn[c](x + first_row[c] * K, K, w + n * K, y + first_row[c] * N + n, N, bias ? bias + n : nullptr, nullptr);
+  return 0;
+}
+
+}  // extern "C"
