@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 NATIVE_SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
 NATIVE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 NATIVE_VERSION = 1
-# Rows up to which the native kernel beats oneDNN's packed GEMM here (a 1536x576 layer: 12 rows 460 vs 548 us,
-# 16 rows about even, 24 rows 1073 vs 803).
-NATIVE_MAX_ROWS = 12
+# Rows up to which the native kernel is used. On session 13's CPU it beat oneDNN's packed GEMM at every row
+# count from 1 to 32 on SmolLM2's MLP shapes (1536x576 / 576x1536 streamed from memory, us: 6 rows 280 / 284
+# against 408 / 420; 12 rows 511 / 436 against 567 / 546; 24 rows 803 / 818 against 829 / 933), by less as
+# the rows grow: past 24 oneDNN's compute-bound kernel is left the larger batches.
+NATIVE_MAX_ROWS = 24
 # Smaller layers stay nn.Linear: a ctypes call costs a few microseconds, as much as such a product.
 NATIVE_MIN_ELEMENTS = 1 << 14
 
