@@ -606,7 +606,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto",
                prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS, ragged: bool = True) -> LoadedModel:
-    """prepack: auto | on | off: oneDNN-prepacked weights for the larger linears on CPU (specdec/cpu_kernels.py).
+    """prepack: auto | on | off: fast CPU linear layers, native few-row GEMM and oneDNN-prepacked weights
+    (specdec/cpu_kernels.py).
     ragged: batched forwards attend per session cache where the architecture allows (specdec/ragged_batch.py);
     False keeps the padded batch."""
     if not isinstance(spec, str) or not spec.strip():

@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
-                   help="oneDNN-prepacked linear weights on CPU: a verify block then costs about one decode step "
+                   help="fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify block then costs little more than one decode step "
                         "(auto: when torch has oneDNN)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
