@@ -5,8 +5,10 @@
 - `GoodputDraftLength` (the default adaptive policy): picks k to maximise expected tokens per millisecond, with
   the paper's expected accepted length (Leviathan et al. 2023) over what a step really costs here: the target's
   measured forward cost for k + 1 tokens (reported by the target service, scaled by the load it sees), the
-  draft's measured cost per token and per call, and the fixed RPC costs. k = 0, target-only, when no k pays;
-  speculation is then probed again every few steps so the session can return to it.
+  draft's measured cost per token and per call, and the orchestrator's own time per step (RPC, Redis commit,
+  its Python among the other sessions), which target-only decoding pays once per Decode call of several tokens.
+  k = 0, target-only, when no k pays; speculation is then probed again every few steps so the session can
+  return to it.
 - `DraftEvidence`: for a drafter that scores its tokens (the n-gram drafter's votes), goodput asks for a longer
   draft and verifies only the prefix that pays, from what each order of magnitude of score has meant in
   acceptance (the draft's confidence, as transformers' assistant confidence threshold and llama.cpp's p-min
@@ -70,7 +72,10 @@ class Ema:
 class TargetCost:
     """The target's cost of one step, shared by an orchestrator's sessions: its start-up forward profile
     (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (load and drift scale every
-    size alike), plus the RPC overhead around a target call.
+    size alike), plus an EMA of the rest of a step's time here (the target call's round trip, drafting, the
+    Redis commit, the orchestrator's Python while other sessions hold the GIL). That rest grows with the
+    sessions one orchestrator serves (session 13, 8 sessions: ~50 ms a step against ~5 for one), and a
+    target-only Decode call pays it once for several tokens, so under load it decides against speculating.
 
     A batching target verifies the blocks of concurrent sessions in one forward, whose cost grows with the
     tokens of all its rows: with n sessions generating (at most max_batch), a block of t tokens is costed as
@@ -83,7 +88,7 @@ class TargetCost:
         self.sessions = sessions  # generations running now (this orchestrator's view of the batch)
         self._lock = threading.Lock()
         self.load = Ema()
-        self.rpc_ms = Ema()
+        self.overhead_ms = Ema()
 
     def rows(self) -> int:
         return max(1, min(self.max_batch, int(self.sessions())))
@@ -97,17 +102,25 @@ class TargetCost:
         slope = (f[-1] - f[mid - 1]) / max(1, len(f) - mid)
         return f[-1] + slope * (tokens - len(f))
 
-    def observe(self, tokens: int, server_ms: float, wall_ms: float, calls: int = 1) -> None:
+    def observe(self, tokens: int, server_ms: float, calls: int = 1) -> None:
         """A target call that ran forwards over `tokens` new tokens each (`calls` of them), taking server_ms on
-        the target and wall_ms here."""
+        the target."""
         if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
         with self._lock:
             self.load.observe(server_ms / (calls * self.forward(self.rows() * tokens)))
-            self.rpc_ms.observe(max(0.0, wall_ms - server_ms))
 
-    def step_ms(self, tokens: int, rows: int = 1) -> float:
-        return self.forward(rows * tokens) * self.load.get(1.0) + self.rpc_ms.get(0.0)
+    def observe_step(self, step_ms: float, server_ms: float) -> None:
+        """One step of a session (a Verify or one Decode call, with its drafting and commit): step_ms of wall
+        time here, of which the target reported server_ms."""
+        if step_ms > 0:
+            with self._lock:
+                self.overhead_ms.observe(max(0.0, step_ms - server_ms))
+
+    def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0) -> float:
+        """ms per call of a step over `tokens` tokens with `rows` sessions batched; calls_per_token < 1 spreads
+        the per-call overhead over the tokens of a multi-token Decode."""
+        return self.forward(rows * tokens) * self.load.get(1.0) + self.overhead_ms.get(0.0) * calls_per_token
 
     @property
     def max_tokens(self) -> int:
@@ -195,8 +208,9 @@ class GoodputDraftLength:
     EVIDENCE_REQUEST = 10  # with a scoring drafter, ask for this many tokens (at least k) and verify what pays
 
     def __init__(self, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None,
-                 evidence: DraftEvidence | None = None):
+                 evidence: DraftEvidence | None = None, decode_chunk: int = 1):
         self.cost = cost
+        self.decode_chunk = max(1, int(decode_chunk))  # tokens per target-only Decode call
         self.prior = prior if prior is not None else AcceptancePrior()
         self.evidence = evidence
         self.scored = False  # the drafter has sent scores
@@ -213,9 +227,9 @@ class GoodputDraftLength:
         return (own.successes + w * self.prior.alpha) / (own.successes + own.failures + w)
 
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
-        t = self.cost.step_ms(k + 1, rows)
-        if k:
-            t += self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
+        if k == 0:  # target-only: one Decode call per decode_chunk tokens
+            return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk)
+        t = self.cost.step_ms(k + 1, rows) + self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
         return expected_accepted_length(min(self.alpha if alpha is None else alpha, 0.999), k) / t
 
     def _argmax(self, lowest: int, rows: int, alpha: float | None = None) -> int:
@@ -285,10 +299,11 @@ AdaptiveLength = DraftLength | GoodputDraftLength
 
 
 def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,
-                      prior: AcceptancePrior | None = None, evidence: DraftEvidence | None = None):
+                      prior: AcceptancePrior | None = None, evidence: DraftEvidence | None = None,
+                      decode_chunk: int = 1):
     """The per-session draft length: goodput when adaptive and the target reported its forward costs (it ignores
     `start`: its first k comes from the costs and the prior), otherwise transformers' heuristic (adaptive) or
     fixed, starting at `start`."""
     if adaptive and policy == "goodput" and cost is not None and cost.max_tokens >= 2:
-        return GoodputDraftLength(max_len, cost, prior, evidence)
+        return GoodputDraftLength(max_len, cost, prior, evidence, decode_chunk)
     return DraftLength(start, max_len, adaptive)

@@ -153,7 +153,9 @@ class Generation:
         self.draft_len: AdaptiveLength = make_draft_length(
             start, self.cfg.max_draft_len,
             self.cfg.adaptive_draft_len and not int(p["max_draft_len"]) and not self.cfg.tree_budget,  # chains only
-            self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior, self.draft_evidence)
+            self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior, self.draft_evidence,
+            self.cfg.fallback_chunk)
+        self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
@@ -270,13 +272,13 @@ class Generation:
     def _verify(self, reply) -> list[int]:
         rec, stats = self.rec, self.rec.stats
         ctx = len(rec.committed)
-        t0 = time.perf_counter()
         with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
             v = self._target_call(lambda t: self.target.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
                 self.seed, rec.step, t, wait_for_ready=True), "verify")
         if self.target_cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
-            self.target_cost.observe(len(reply.tokens) + 1, v.verify_ms, (time.perf_counter() - t0) * 1e3)
+            self.target_cost.observe(len(reply.tokens) + 1, v.verify_ms)
+            self.step_server_ms = v.verify_ms
         rec.target_pos = v.cached_len
         rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
         stats["verify_steps"] += 1
@@ -294,13 +296,14 @@ class Generation:
     def _decode(self, n: int, degraded: bool) -> list[int]:
         rec, stats = self.rec, self.rec.stats
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
-        t0 = time.perf_counter()
         with telemetry.span("orchestrator.decode", session_id=rec.session_id, n=n, degraded=degraded):
             d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
         if self.target_cost is not None and plain and d.tokens:
-            self.target_cost.observe(1, d.decode_ms, (time.perf_counter() - t0) * 1e3, calls=len(d.tokens))
+            self.target_cost.observe(1, d.decode_ms, calls=len(d.tokens))
+            if not degraded:
+                self.step_server_ms = d.decode_ms
         rec.target_pos = d.cached_len
         stats["decode_steps"] += 1
         stats["decode_ms"] += d.decode_ms
@@ -458,6 +461,7 @@ class Generation:
                 yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED)
                 return
             offset = len(rec.generated)
+            self.step_server_ms = None
             new, degraded = self.step(max_new - offset)
             kept, finish = self.commit(new)
             rec.step += 1
@@ -470,6 +474,8 @@ class Generation:
                 metrics.record_degraded(step_ms / 1e3)
             if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
                 self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
+            if self.target_cost is not None and self.step_server_ms is not None:
+                self.target_cost.observe_step((time.perf_counter() - t0) * 1e3, self.step_server_ms)
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None
             yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from orchestrator.draft_length import DraftLength, GoodputDraftLength, TargetCost, make_draft_length
+from orchestrator.draft_length import AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost, make_draft_length
 
 FLAT_TO_6 = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # a CPU-like profile
 
@@ -69,10 +69,40 @@ def test_target_cost_scales_with_observed_load():
     cost = TargetCost(FLAT_TO_6)
     assert cost.step_ms(1) == 60.0
     for _ in range(30):
-        cost.observe(5, server_ms=140.0, wall_ms=143.0)  # a batched forward: twice the profile
+        cost.observe(5, server_ms=140.0)  # a batched forward: twice the profile
+        cost.observe_step(143.0, server_ms=140.0)  # and 3 ms of the step outside the target
     assert cost.step_ms(1) == pytest.approx(2 * 60 + 3, rel=0.01)
-    cost.observe(99, server_ms=1.0, wall_ms=1.0)  # outside the profile: ignored
+    assert cost.step_ms(1, calls_per_token=0.25) == pytest.approx(2 * 60 + 0.75, rel=0.01)
+    cost.observe(99, server_ms=1.0)  # outside the profile: ignored
     assert cost.step_ms(1) == pytest.approx(123, rel=0.01)
+
+
+def test_goodput_stops_speculating_when_the_step_overhead_outweighs_it():
+    """Target-only decoding pays the orchestrator's per-step time once per Decode call of several tokens, a
+    speculative step once per ~1.5 tokens: with 8 sessions batched and ~50 ms of each step spent outside the
+    target (as measured in session 13), no draft length pays at an acceptance of 0.5; with one session's ~5 ms
+    speculation still does."""
+    prof = [61.0, 66.8, 70.3, 69.3, 72.0, 73.9, 85.0, 96.1, 100.0, 104.0, 108.0, 109.0, 115.0, 120.0, 126.0,
+            132.0, 141.6]  # one-sequence forwards of 1..17 tokens on this CPU with the native kernel
+    sessions = [1]
+
+    def policy(overhead_ms: float) -> GoodputDraftLength:
+        cost = TargetCost(prof, max_batch=16, sessions=lambda: sessions[0])
+        for _ in range(40):
+            cost.observe_step(overhead_ms + 60.0, server_ms=60.0)
+        prior = AcceptancePrior()
+        d = GoodputDraftLength(16, cost, prior, decode_chunk=4)
+        for _ in range(40):
+            d.update(4, 1)  # per-token acceptance 0.5: one accepted, then a rejection
+        return d
+
+    sessions[0] = 1
+    assert policy(5.0).k >= 1
+    sessions[0] = 8
+    assert policy(50.0).k == 0
+    per_call = policy(50.0)
+    per_call.decode_chunk = 1  # were target-only charged the whole overhead per token, speculation would win
+    assert per_call.best() >= 1
 
 
 def test_goodput_needs_a_profile_else_heuristic():
