@@ -72,8 +72,9 @@ class Ema:
 class TargetCost:
     """The target's cost of one step, shared by an orchestrator's sessions: its start-up forward profile
     (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (load and drift scale every
-    size alike), plus an EMA of the rest of a step's time here (the target call's round trip, drafting, the
-    Redis commit, the orchestrator's Python while other sessions hold the GIL). That rest grows with the
+    size alike), plus an EMA of the rest of a step's time here (the target call's round trip, the Redis
+    commit, the orchestrator's Python while other sessions hold the GIL; not the Propose call, which goodput
+    costs apart from its draft's measured times). That rest grows with the
     sessions one orchestrator serves (session 13, 8 sessions: ~50 ms a step against ~5 for one), and a
     target-only Decode call pays it once for several tokens, so under load it decides against speculating.
 
@@ -111,8 +112,8 @@ class TargetCost:
             self.load.observe(server_ms / (calls * self.forward(self.rows() * tokens)))
 
     def observe_step(self, step_ms: float, server_ms: float) -> None:
-        """One step of a session (a Verify or one Decode call, with its drafting and commit): step_ms of wall
-        time here, of which the target reported server_ms."""
+        """One step of a session (a Verify or one Decode call, with its commit; without the Propose call): step_ms
+        of wall time here, of which the target reported server_ms."""
         if step_ms > 0:
             with self._lock:
                 self.overhead_ms.observe(max(0.0, step_ms - server_ms))

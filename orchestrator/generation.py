@@ -156,6 +156,7 @@ class Generation:
             self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior, self.draft_evidence,
             self.cfg.fallback_chunk)
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
+        self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
         self.last_block_full = True
@@ -219,6 +220,7 @@ class Generation:
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
         wall_ms = (time.perf_counter() - t0) * 1e3
+        self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
         self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
@@ -461,7 +463,7 @@ class Generation:
                 yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED)
                 return
             offset = len(rec.generated)
-            self.step_server_ms = None
+            self.step_server_ms, self.step_draft_ms = None, 0.0
             new, degraded = self.step(max_new - offset)
             kept, finish = self.commit(new)
             rec.step += 1
@@ -475,7 +477,8 @@ class Generation:
             if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
                 self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
             if self.target_cost is not None and self.step_server_ms is not None:
-                self.target_cost.observe_step((time.perf_counter() - t0) * 1e3, self.step_server_ms)
+                self.target_cost.observe_step((time.perf_counter() - t0) * 1e3 - self.step_draft_ms,
+                                              self.step_server_ms)
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None
             yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish)

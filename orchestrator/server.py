@@ -420,7 +420,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-lease-s", type=float, default=5.0,
                    help="a session's single-writer lease in Redis: a stream renews it every third of this; a crashed "
                         "orchestrator's sessions can be resumed elsewhere after at most this long")
-    p.add_argument("--fallback-chunk", type=int, default=4, help="tokens per target-only Decode when degraded")
+    p.add_argument("--fallback-chunk", type=int, default=4,
+                   help="tokens per target-only Decode call (degraded, paused by the draft length, or speculation off)")
     p.add_argument("--draft-timeout-floor-ms", type=float, default=100.0)
     p.add_argument("--draft-timeout-factor", type=float, default=2.0, help="x the measured target step time")
     p.add_argument("--breaker-open-s", type=float, default=1.0, help="how long a failed draft replica is skipped")

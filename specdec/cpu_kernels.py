@@ -11,7 +11,7 @@ memory took 219 us at one row and 281 at six (oneDNN packed: 259 / 373; plain: 2
 forward went from 74 to 65 ms at one token and from 115 to 84 ms at six (1.55 -> 1.29 steps).
 
 So a FastLinear runs up to NATIVE_MAX_ROWS rows natively (float32, one torch thread: the kernel is
-single-threaded), more rows through the oneDNN-packed weight (packed on first use), and anything else
+single-threaded), more rows (a prompt's prefill, large batches) through the oneDNN-packed weight, and anything else
 (bfloat16, grad, other devices) as before. The native kernel's rows are independent (each output is summed in
 the same order whatever M is), so a verify block's projections equal the decode step's bit for bit.
 SPECDEC_NATIVE_GEMM=off turns it off; without g++, AVX2 or FMA it is skipped with one log line.
@@ -159,7 +159,7 @@ class FastLinear(torch.nn.Module):
     """Inference-only drop-in for nn.Linear on CPU. Keeps `weight` (tied embeddings, save_pretrained and
     anything else that reads it still see the original tensor). A call runs on the native kernel when it can
     (see the module docstring); otherwise, with `pack`, on a oneDNN-packed copy of the weight, derived from it
-    on first use and rebuilt when the weight changes (`.to(dtype)`, a load), never copied or pickled (oneDNN's
+    at construction and rebuilt when the weight changes (`.to(dtype)`, a load), never copied or pickled (oneDNN's
     opaque tensors cannot be); otherwise as nn.Linear."""
 
     def __init__(self, linear: torch.nn.Linear, pack: bool = True):
@@ -169,6 +169,8 @@ class FastLinear(torch.nn.Module):
         self.bias = linear.bias
         self.pack = pack
         self._packed, self._packed_for = None, None
+        if pack and packable(self.weight.dtype):
+            self._pack()  # now, not in the first request: any prompt over NATIVE_MAX_ROWS tokens needs it
 
     def _key(self):
         w = self.weight
