@@ -6,8 +6,8 @@ forward of SmolLM2 took ~1.7x a 1-token step. Packing each weight once into oneD
 inductor's CPU freezing does) brought a 6-token forward to ~1.5x a step (session 12's AVX2 CPU). At these M a
 layer is bound by streaming its weight from memory, and oneDNN's kernel lets the FMAs and the stream take
 turns; `csrc/skinny_gemm.cpp` (AVX2 + FMA, built with g++ at first use and cached) reads each weight row once
-for up to 6 input rows and prefetches the next rows meanwhile: on that CPU a 1536x576 layer streamed from
-memory took 219 us at one row and 281 at six (oneDNN packed: 259 / 373; plain: 282 / 534), and SmolLM2's
+for up to 6 input rows and prefetches the next rows meanwhile: on that CPU (session 13) a 1536x576 layer streamed
+from memory took 219 us at one row and 281 at six (oneDNN packed: 259 / 373; plain: 282 / 534), and SmolLM2's
 forward went from 74 to 65 ms at one token and from 115 to 84 ms at six (1.55 -> 1.29 steps).
 
 So a FastLinear runs up to NATIVE_MAX_ROWS rows natively (float32, one torch thread: the kernel is

@@ -1,10 +1,11 @@
 // y[M,N] = x[M,K] @ w[N,K]^T (+ bias): float32 linear layers for the few rows of a decode step or a verify block,
 // on AVX2 + FMA, one thread. Built and loaded by specdec/cpu_kernels.py (g++ at first use, cached).
 //
-// Why: at 1-16 rows a linear layer is bound by streaming its weight from memory. oneDNN's packed GEMM makes the
-// FMAs and the weight stream take turns (a 6-row call of a 1536x576 layer took 1.3x a 1-row one); here each
-// weight row is read once for every input row (up to 6 rows of x stay in registers), and the next rows are
-// prefetched while these are multiplied, so a 6-row call costs little more than the stream.
+// Why: at 1-24 rows a linear layer is bound by streaming its weight from memory. oneDNN's packed GEMM makes the
+// FMAs and the weight stream take turns (a 6-row call of a 1536x576 layer took 1.4x a 1-row one); here each
+// weight row comes from memory once for all the call's rows (blocks of up to 6 x-rows accumulate in registers),
+// and the next weight rows are prefetched while these are multiplied, so a 6-row call costs little more than
+// the stream.
 //
 // Each output y[m][n] is accumulated in its own register over k in the same order whatever M is, so a row's
 // result does not depend on which other rows share the call: a verify block's projections equal the decode
