@@ -119,7 +119,11 @@ def test_bench_ratios_come_from_the_measured_tokens_per_second(bench_run):
 
     head = by[res["headline_config"]]
     assert close(res["speedup_vs_target_only"], head["tokens_per_s"] / base["tokens_per_s"])
-    assert close(res["acceptance_rate"], head.get("acceptance_rate"))
+    if head["service_stats"]["verify_steps"]:
+        assert close(res["acceptance_rate"], head.get("acceptance_rate"))
+    else:  # the goodput policy decoded target-only throughout: with a tiny target the orchestrator's own ~ms per
+        # step outweighs the forward, which a 4-token Decode call pays once (10-token replies never reach a probe)
+        assert res["acceptance_rate"] is None and head.get("acceptance_rate") is None
     if res["measured_over_predicted"] is not None:
         assert close(res["measured_over_predicted"], head["speedup_vs_target_only"] / head["predicted_speedup"])
     anchor = by[res["hf_anchor"]]
