@@ -210,7 +210,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
-                   help="fast CPU linear layers: native few-row GEMM, oneDNN-prepacked weights for larger batches (auto: on CPU)")
+                   help="fast CPU linear layers: native few-row GEMM, oneDNN-prepacked weights for larger batches "
+                        "(auto: on CPU)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-cache-mb", type=int, default=2048)

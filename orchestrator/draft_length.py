@@ -74,9 +74,9 @@ class TargetCost:
     (forward_ms[i] = a forward over i + 1 tokens) times an EMA of observed / profiled (load and drift scale every
     size alike), plus an EMA of the rest of a step's time here (the target call's round trip, the Redis
     commit, the orchestrator's Python while other sessions hold the GIL; not the Propose call, which goodput
-    costs apart from its draft's measured times). That rest grows with the
-    sessions one orchestrator serves (session 13, 8 sessions: ~50 ms a step against ~5 for one), and a
-    target-only Decode call pays it once for several tokens, so under load it decides against speculating.
+    costs apart from its draft's measured times). That rest grows with the sessions one orchestrator serves
+    (session 13, 8 sessions: ~50 ms a step against ~5 for one), and a target-only Decode call pays it once for
+    several tokens, so under load it decides against speculating.
 
     A batching target verifies the blocks of concurrent sessions in one forward, whose cost grows with the
     tokens of all its rows: with n sessions generating (at most max_batch), a block of t tokens is costed as

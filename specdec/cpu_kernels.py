@@ -141,17 +141,23 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     fn = native_gemm()
     if fn is None:
         raise RuntimeError("the native GEMM kernel is not available here")
-    n, k = weight.shape
+    k = weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"native_linear: x has {x.shape[-1]} features, the weight {k}")
-    if not x.is_contiguous():
-        x = x.contiguous()
     m = x.numel() // k if k else 0
     if not 1 <= m <= NATIVE_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
         raise ValueError(f"native_linear takes 1..{NATIVE_MAX_ROWS} float32 rows, got {m} {x.dtype}")
+    return _native_call(fn, x, weight, bias, m)
+
+
+def _native_call(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """The kernel call itself, on inputs already checked (FastLinear.kernel_for checks them per call)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n, k = weight.shape
     y = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
-    if fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k):
-        raise RuntimeError(f"native GEMM refused {m} x {k} @ {k} x {n}")
+    if fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n, k):
+        raise RuntimeError(f"native GEMM refused {rows} x {k} @ {k} x {n}")
     return y
 
 
@@ -188,26 +194,30 @@ class FastLinear(torch.nn.Module):
         return self._packed
 
     def kernel_for(self, x: torch.Tensor) -> str:
-        """Which kernel a call on `x` runs: native, packed or plain. (Per call, so kept to cheap checks.)"""
+        """Which kernel a call on `x` runs: native, packed or plain."""
+        return self._choose(x)[0]
+
+    def _choose(self, x: torch.Tensor) -> tuple[str, int]:
+        """(kernel, rows of x). Per call, so kept to cheap checks."""
         w = self.weight
+        rows = x.numel() // self.in_features if self.in_features else 0
         if not (x.is_cpu and w.is_cpu) or x.dtype != w.dtype or (torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad)):
-            return "plain"
-        rows = x.numel() // self.in_features if self.in_features else 0
+            return "plain", rows
         if (w.dtype is torch.float32 and 1 <= rows <= NATIVE_MAX_ROWS and torch.get_num_threads() == 1
                 and native_gemm() is not None and w.is_contiguous()
                 and (self.bias is None or self.bias.is_contiguous())):
-            return "native"
+            return "native", rows
         # One row of a block projection is a bandwidth-bound GEMV, where oneDNN's packed call only adds fixed
         # cost (80 -> 73 ms a SmolLM2 step when these ran plain); an LM-head-sized layer is faster packed.
         if self.pack and packable(w.dtype) and (rows > 1 or w.numel() >= SINGLE_ROW_PACKED_MIN_ELEMENTS):
-            return "packed"
-        return "plain"
+            return "packed", rows
+        return "plain", rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel_for(x)
+        kernel, rows = self._choose(x)
         if kernel == "native":
-            return native_linear(x, self.weight, self.bias)
+            return _native_call(native_gemm(), x, self.weight, self.bias, rows)
         if kernel == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self._pack(), self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
