@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid"], default="auto",
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "quantized"], default="auto",
                    help="auto: the distilled draft if it is in the cache, else n-gram prompt lookup")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
@@ -262,6 +262,9 @@ def _draft_note(args, strategy: str) -> str | None:
         return "prompt lookup" + _datastore_note(args) + ", the draft model where neither has a match"
     if strategy == "model":
         return None
+    if strategy == "quantized":
+        return (f"the target's own weights rounded to int8 ({args.target_model}, draft_service/int8_draft.py); the "
+                "in-process anchor runs the same int8 weights on transformers' forward")
     return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter"
             f"{_datastore_note(args)}, and HF prompt lookup is the in-process anchor")
 
@@ -778,7 +781,7 @@ def run(args: argparse.Namespace) -> dict:
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
     from specdec.models import load_model
-    from specdec.stack import MODEL_STRATEGIES, StackConfig, resolve_draft_strategy
+    from specdec.stack import MODEL_STRATEGIES, QUANTIZED, StackConfig, resolve_draft_strategy
 
     import warnings
 
@@ -813,9 +816,16 @@ def run(args: argparse.Namespace) -> dict:
     services.launch()  # the services load their models while this process loads its own (HF anchors)
     try:
         target = load_model(args.target_model, device=args.device, dtype=args.dtype)
-        draft = (load_model(args.draft_model, device=args.device, dtype=args.dtype)
-                 if strategy in MODEL_STRATEGIES else None)
-        if draft is not None:  # the in-process anchors use the same draft as the service, head and all
+        draft = None
+        if strategy == QUANTIZED:  # the same int8 weights, on transformers' forward (HF's assisted generation)
+            from specdec.cpu_kernels import quantize_linears
+
+            draft = load_model(args.target_model, device=args.device, dtype=args.dtype, prepack="off")
+            draft.name = f"{draft.name}[int8]"
+            quantize_linears(draft.model)
+        elif strategy in MODEL_STRATEGIES:
+            draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
+        if draft is not None and strategy != QUANTIZED:  # the anchors use the same draft as the service
             from draft_service.proposers.model import limit_draft_vocab
 
             limit_draft_vocab(draft, args.draft_vocab)
@@ -1002,7 +1012,8 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
         "throughput_8_sessions_vs_1": analysis.ratio(smax["tokens_per_s"], s1["tokens_per_s"]) if smax and s1 else None,
         "sessions_sweep": sweep_name,
         "max_sessions": smax["sessions"] if smax else None,
-        "draft": {"strategy": strategy, "model": args.draft_model if draft is not None else None,
+        "draft": {"strategy": strategy,
+                  "model": None if draft is None else draft.name if strategy == "quantized" else args.draft_model,
                   "note": _draft_note(args, strategy)},
         "flags_available": flags,
         "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,

@@ -101,7 +101,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
                    max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
                    hybrid_model_max_len: int = 2, draft_vocab: int = 0,
-                   datastore: str = "none") -> tuple[Proposer, common_pb2.ModelInfo]:
+                   datastore: str = "none", quantize: str = "none") -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer
 
@@ -111,17 +111,29 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     from specdec.stack import MODEL_STRATEGIES
 
     if strategy not in MODEL_STRATEGIES:
-        raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram or hybrid)")
-    loaded = load_model(model, device=device, dtype=dtype, prepack=prepack)
+        raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, hybrid or quantized)")
+    if strategy == "quantized":  # --model (the target) with its weights rounded to int8
+        quantize = "int8"
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize must be none or int8, not {quantize!r}")
+    # int8 replaces the linear layers: no oneDNN-packed float copies of them first
+    loaded = load_model(model, device=device, dtype=dtype, prepack="off" if quantize == "int8" else prepack)
     store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)
     info = common_pb2.ModelInfo(
         model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
         max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids, device=str(loaded.device),
         dtype=str(loaded.dtype).replace("torch.", ""), strategy=strategy,
     )
-    if limit_draft_vocab(loaded, draft_vocab):
+    lm = None
+    if quantize == "int8":
+        from draft_service.int8_draft import int8_draft
+
+        lm = int8_draft(loaded, store)  # the full vocabulary: its head is the target's, in int8
+        info.model_name = f"{loaded.name}[int8]"
+        info.dtype = "int8"
+    elif limit_draft_vocab(loaded, draft_vocab):
         info.model_name = f"{loaded.name}[vocab<{draft_vocab}]"
-    proposer = ModelProposer(loaded, store)
+    proposer = ModelProposer(loaded, store, lm)
     if strategy == "hybrid":
         from draft_service.proposers.hybrid import HybridProposer
         from draft_service.proposers.ngram import NgramProposer
@@ -193,13 +205,16 @@ def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, m
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", choices=["model", "ngram", "hybrid"], default="ngram",
+    p.add_argument("--strategy", choices=["model", "ngram", "hybrid", "quantized"], default="ngram",
                    help="model: a small LM; ngram: prompt lookup; hybrid: prompt lookup, the model where it finds "
-                        "no match")
+                        "no match; quantized: --model (give the target's) with int8 weights")
     p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy model or hybrid)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the model drafts only token ids below N (a smaller LM head: FR-Spec); 0 = the whole "
                         "vocabulary. Exactness does not depend on it, only speed and acceptance")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="int8: weight-only int8 copy of --model (CPU; the way to draft with the target's own weights: "
+                        "draft_service/int8_draft.py)")
     p.add_argument("--hybrid-model-max-len", type=int, default=2,
                    help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
     p.add_argument("--datastore", default="auto",
@@ -229,7 +244,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
-                                    args.draft_vocab, args.datastore)
+                                    args.draft_vocab, args.datastore, args.quantize)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

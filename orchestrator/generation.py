@@ -162,6 +162,7 @@ class Generation:
         self.last_block_full = True
         self.full_block_rate = 1.0    # EMA of "the whole block was accepted": how often a prefetch is usable
         self.propose_time = StepTimer()  # Propose round trips: what a usable prefetch saves
+        self.draft_token_ms = Ema()  # the draft's own time per drafted token (calls without a prefill)
 
     # -- the draft side ----------------------------------------------------------------------------
 
@@ -174,14 +175,22 @@ class Generation:
         limit = self.cfg.speculation_max_sessions
         return limit > 0 and self.active_sessions is not None and self.active_sessions() > limit
 
-    def _draft_timeout_s(self) -> float:
-        """A draft slower than the target's own step is no help: the deadline follows the measured target step.
-        A call that must first prefill the context (new session, failover, probe) gets time in proportion."""
+    def _draft_timeout_s(self, k: int = 1) -> float:
+        """A draft slower per token than the target's own step is no help: the deadline allows k tokens at the
+        draft's measured time per token, each capped at the measured target step, and at least one target step
+        (a draft model nearly the target's size, like its own weights in int8, needs several steps for a long
+        block). A call that must first prefill the context (new session, failover, probe) gets time in proportion,
+        and at least what the target's own forward over that context costs."""
         if self.target_step.ms == 0:  # nothing measured yet
             return self.cfg.draft_first_call_timeout_ms / 1e3
-        budget = self.cfg.draft_timeout_factor * self.target_step.ms
+        step = self.target_step.ms
+        factor = self.cfg.draft_timeout_factor
+        budget = factor * max(step, k * min(step, self.draft_token_ms.get(0.0)))
         if self.rec.draft_pos == 0:
-            budget *= 1 + len(self.rec.committed) / 128
+            ctx = len(self.rec.committed)
+            cost = self.target_cost
+            prefill = cost.forward(ctx) * cost.load.get(1.0) if cost is not None and cost.max_tokens else 0.0
+            budget = max(budget * (1 + ctx / 128), budget + factor * prefill)
         return max(self.cfg.draft_timeout_floor_ms, budget) / 1e3
 
     def _pick_replica(self):
@@ -202,10 +211,11 @@ class Generation:
         """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed."""
         rec = self.rec
         t0 = time.perf_counter()
+        prefilled = rec.draft_pos == 0
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
-                                               self.seed, rec.step, self._draft_timeout_s(),
+                                               self.seed, rec.step, self._draft_timeout_s(k),
                                                self.cfg.draft_min_confidence)
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
@@ -223,6 +233,8 @@ class Generation:
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
         self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
+        if reply.tokens and not prefilled:
+            self.draft_token_ms.observe(reply.draft_ms / len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -382,7 +394,7 @@ class Generation:
             return None
         rec.stats["pipeline_prefetches"] += 1
         return replica.client.propose_async(rec.session_id, held, delta, k + 1, self.params, self.seed,
-                                            rec.step + 1, self._draft_timeout_s() + 1.0)
+                                            rec.step + 1, self._draft_timeout_s(k + 1) + 1.0)
 
     def _finish_prefetch(self, future, replica, reply, new: list[int]) -> None:
         full = len(new) == len(reply.tokens) + 1

@@ -185,6 +185,9 @@ def _draft_strategy(servicer, view: dict) -> dict:
     elif kind == "model":
         drafter = (f"draft model {info.model_name}: a small causal LM sharing the target's tokenizer proposes k "
                    "tokens autoregressively from its own per-session KV cache")
+    elif kind == "quantized":
+        drafter = (f"the target's own weights in int8 ({info.model_name}): proposes k tokens autoregressively from "
+                   "its own per-session KV cache, at a fraction of the target's cost per token")
     elif kind == "hybrid":
         drafter = (f"hybrid {info.model_name}: n-gram prompt lookup where the context repeats itself, else the "
                    "draft model for a few tokens from its per-session KV cache (it catches up lazily)")

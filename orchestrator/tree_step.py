@@ -37,7 +37,8 @@ def _propose_tree(gen, replica, max_depth: int):
         with telemetry.span("orchestrator.draft", session_id=rec.session_id, tree_budget=cfg.tree_budget,
                             replica=replica.address):
             reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, chain_len, gen.params,
-                                           gen.seed, rec.step, gen._draft_timeout_s(), cfg.draft_min_confidence,
+                                           gen.seed, rec.step, gen._draft_timeout_s(cfg.tree_budget),
+                                           cfg.draft_min_confidence,
                                            tree=tree)
     except grpc.RpcError as e:
         kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()

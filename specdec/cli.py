@@ -10,10 +10,11 @@ import sys
 
 def _stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram"], default="auto",
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
+                   default="auto",
                    help="auto: the distilled draft if `specdec distill` cached one whose report predicts a speedup, else "
                         "n-gram prompt lookup; local-ngram: n-gram drafting inside the orchestrator (no draft process, "
-                        "one round trip per step)")
+                        "one round trip per step); quantized: the target's own weights in int8 as the draft model")
     p.add_argument("--draft-model", default="smollm2-draft")
     p.add_argument("--draft-replicas", type=int, default=1)
     p.add_argument("--draft-len", type=int, default=4, help="draft length (the starting one when adaptive)")

@@ -52,6 +52,8 @@ class SessionKV:
 def cache_nbytes(cache: DynamicCache | None) -> int:
     if cache is None:
         return 0
+    if isinstance(getattr(cache, "nbytes", None), int):  # draft_service/int8_draft.py LeanCache
+        return cache.nbytes
     total = 0
     for layer in getattr(cache, "layers", []):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):

@@ -112,13 +112,16 @@ class StackConfig:
     metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
 
 
-MODEL_STRATEGIES = ("model", "hybrid")  # draft strategies that load a draft model
+MODEL_STRATEGIES = ("model", "hybrid", "quantized")  # draft strategies that load a draft model
+QUANTIZED = "quantized"  # the target's own weights in int8 as the draft (draft_service/int8_draft.py)
 LOCAL_NGRAM = "local-ngram"  # the orchestrator drafts in process (`--draft local:ngram`)
 
 
 def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:
     """`specdec serve draft` arguments naming its model (model strategies) and the target (its tokenizer, for the
     n-gram drafter's compatibility check and its datastore)."""
+    if strategy == QUANTIZED:
+        return ["--model", target_model, "--vocab-from", target_model]
     if strategy in MODEL_STRATEGIES:
         return ["--model", draft_model, "--vocab-from", target_model, *extra]
     return ["--vocab-from", target_model]

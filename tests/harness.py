@@ -69,6 +69,7 @@ class Stack:
 
 
 HYBRID = "hybrid:" + DRAFT_EARLY  # prompt lookup, the early-layer draft where it finds no match
+INT8_SELF = "int8:" + TARGET  # the target's own weights in int8 (draft strategy quantized)
 
 
 def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
@@ -81,6 +82,12 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
     if spec == "ngram":
         vocab = vocab_size or model(TARGET).vocab_size
         return NgramProposer(vocab_size=vocab), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
+    if spec.startswith("int8:"):
+        from draft_service.int8_draft import int8_draft
+
+        loaded = load_model(spec.removeprefix("int8:"), device="cpu", dtype="float32", prepack="off")  # own copy
+        store = SessionCacheStore(max_sessions=sessions)
+        return ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
     loaded = model(spec)
     return ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
 

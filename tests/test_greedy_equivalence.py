@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, HYBRID, TARGET, model, start_stack
+from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, HYBRID, INT8_SELF, TARGET, model, start_stack
 
 PROMPTS = [[1, 5, 9, 12, 5, 9], [7] * 3 + [30, 31, 32, 7, 7], list(range(1, 40, 3))]
 MAX_NEW = 40
@@ -16,8 +16,8 @@ def hf_greedy(prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID, "local:ngram"],
-                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid", "local-ngram"])
+@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID, "local:ngram", INT8_SELF],
+                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid", "local-ngram", "int8-self"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param)
     yield s

@@ -44,11 +44,12 @@ def limit_draft_vocab(loaded: LoadedModel, n: int) -> bool:
 class ModelProposer(Proposer):
     strategy = "model"
 
-    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None):
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, lm: CachedLM | None = None):
+        """lm: how the model runs (default CachedLM; the int8 draft brings its own, draft_service/int8_draft.py)."""
         self.loaded = loaded
         self.vocab_size = loaded.vocab_size
         self.store = store if store is not None else SessionCacheStore()
-        self.lm = CachedLM(loaded, self.store)
+        self.lm = lm if lm is not None else CachedLM(loaded, self.store)
 
     def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
                        min_confidence=0.0) -> Proposal:
