@@ -164,6 +164,12 @@ class TargetClient:
         return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced,
                            list(r.accepted_nodes))
 
+    def prefill_async(self, session_id: str, committed: list[int], pos: int, timeout: float):
+        """Start a Prefill of committed[pos:] without waiting; the future's .result().cached_len is what the target
+        then holds (a cache miss raises: the caller's next call resends from 0 anyway)."""
+        request = target_pb2.PrefillRequest(session_id=session_id, delta=_delta(committed, pos))
+        return self.stub.Prefill.future(request, timeout=timeout)
+
     def decode(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
                seed: int, step: int, stop_token_ids: list[int], timeout: float,
                wait_for_ready: bool = False) -> DecodeReply:

@@ -37,7 +37,8 @@ FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
-            "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed")
+            "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
+            "parallel_prefills")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 
 
@@ -355,7 +356,9 @@ class Generation:
             ask = min(self.draft_len.request_len(k), remaining - 1)  # more than k: a scored draft is trimmed
             reply, failed = self._take_prefetched(replica, ask)
             if reply is None:
+                prefill = self._start_target_prefill(replica)
                 reply, failed = self._propose(replica, ask)
+                self._finish_target_prefill(prefill)
             if reply is not None:
                 self._trim_to_verified_prefix(reply, remaining - 1)
                 prefetch = self._start_prefetch(replica, reply, ask)
@@ -366,6 +369,34 @@ class Generation:
                 return self._decode(1, False), False  # nothing drafted: one target token, then draft again
         # Every replica failed or is open: target-only for a few tokens, then try the draft again.
         return self._decode(min(self.cfg.fallback_chunk, remaining), True), True
+
+    # -- a new session's prompt: the target prefills it while the draft does --------------------------
+
+    PARALLEL_PREFILL_MIN_TOKENS = 16  # below this a prefill is cheaper than the extra round trip
+
+    def _start_target_prefill(self, replica):
+        """When the draft must first prefill the context (a new session, a new replica) and the target also lags
+        behind it, let the target prefill at the same time instead of after the Propose (a draft model as large as
+        the target prefills as slowly; they run on different machines). The Verify then carries only the last
+        token and the drafts."""
+        rec = self.rec
+        lag = len(rec.committed) - 1 - rec.target_pos
+        if rec.draft_pos != 0 or lag < self.PARALLEL_PREFILL_MIN_TOKENS or is_local(replica.address):
+            return None
+        rec.stats["parallel_prefills"] += 1
+        return self.target.prefill_async(rec.session_id, rec.committed[:-1], rec.target_pos,
+                                         self.cfg.target_timeout_s)
+
+    def _finish_target_prefill(self, future) -> None:
+        if future is None:
+            return
+        try:
+            held = future.result().cached_len
+        except grpc.RpcError as e:  # the Verify resends what the target lacks
+            log.info("parallel prefill failed", extra={"session_id": self.rec.session_id, "code": e.code().name})
+            return
+        if held <= len(self.rec.committed):
+            self.rec.target_pos = held
 
     # -- pipelining: draft block k+1 while the target verifies block k -----------------------------
 
