@@ -16,6 +16,7 @@ Exactness never depends on this: the target verifies every drafted token.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -79,6 +80,41 @@ class LeanCache:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
+class _Matrix(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_long), ("k", ctypes.c_long)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p), ("qkv", _Matrix),
+                ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
+                ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("layers", ctypes.c_long),
+                ("eps", ctypes.c_float)]
+
+
+def _matrix(module: torch.nn.Module) -> _Matrix:
+    lin = module.linear if isinstance(module, _FusedInt8) else module
+    bias = 0 if lin.bias is None else lin.bias.data_ptr()
+    return _Matrix(lin.qweight.data_ptr(), lin.scale.data_ptr(), bias, lin.out_features, lin.in_features)
+
+
+def _native_stack():
+    """specdec_int8_llama_forward from the native library, or None (then the torch ops below run instead)."""
+    fn = cpu_kernels.native_gemm()
+    if fn is None:
+        return None
+    forward = fn.lib.specdec_int8_llama_forward
+    forward.argtypes = [ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_long,
+                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_long]
+    forward.restype = ctypes.c_int
+    return forward
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm in float32 (torch's fused rms_norm took ~50 us a call here, these four ops ~15)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -112,6 +148,14 @@ class LeanLlama(torch.nn.Module):
                 down=cpu_kernels.Int8Linear(mlp.down_proj),
             ))
         self.intermediate = self.layers[0]["gate_up"].sizes[0]
+        # The native decoder stack (csrc/int8_llama.cpp) reads these tensors through raw pointers: they live as
+        # long as this module and are never resized.
+        self.native = _native_stack()
+        self._dims = _Dims(self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                           len(self.layers), self.eps)
+        self._layers = (_Layer * len(self.layers))(*[
+            _Layer(L["in_norm"].data_ptr(), L["post_norm"].data_ptr(), _matrix(L["qkv"]), _matrix(L["o"]),
+                   _matrix(L["gate_up"]), _matrix(L["down"])) for L in self.layers])
 
     @staticmethod
     def supports(model: torch.nn.Module) -> str | None:
@@ -135,13 +179,22 @@ class LeanLlama(torch.nn.Module):
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: LeanCache, keep: int) -> torch.Tensor:
-        """Feed `tokens` after the cache's `length` positions; float32 logits of the last `keep` of them."""
+    def forward(self, tokens: list[int], cache: LeanCache, keep: int, native: bool = True) -> torch.Tensor:
+        """Feed `tokens` after the cache's `length` positions; float32 logits of the last `keep` of them.
+        native=False runs the torch ops even where the native stack is available (tests compare the two)."""
         t, past = len(tokens), cache.length
         cache.reserve(past + t)
-        x = self.embed(torch.tensor(tokens, dtype=torch.long)).float()  # [t, hidden]
+        x = self.embed(torch.tensor(tokens, dtype=torch.long)).float().contiguous()  # [t, hidden]
         pos = torch.arange(past, past + t).unsqueeze(0)
         cos, sin = self.rotary(x.unsqueeze(0), pos)  # [1, t, head_dim]
+        if native and self.native is not None:
+            cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+            status = self.native(ctypes.byref(self._dims), self._layers, x.data_ptr(), t, past, cos.data_ptr(),
+                                 sin.data_ptr(), cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.shape[2])
+            if status:
+                raise RuntimeError(f"native int8 decoder stack failed ({status})")
+            cache.length = past + t
+            return self.head(_rms_norm(x[t - keep :], self.final_norm, self.eps))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [t, 1, head_dim]
         half = self.head_dim // 2
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim

@@ -22,6 +22,7 @@ from orchestrator.clients import TargetClient
 from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftEvidence, Ema, TargetCost,
                                        make_draft_length)
 from orchestrator.draft_pool import DraftPool
+from orchestrator.local_draft import is_local
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
 from specdec import telemetry, wire

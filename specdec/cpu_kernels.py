@@ -35,7 +35,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NATIVE_SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
+# One library: the few-row float32 GEMM (and its int8-weight variant), and the int8 Llama decoder stack.
+NATIVE_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / name for name in ("skinny_gemm.cpp", "int8_llama.cpp"))
 NATIVE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 NATIVE_VERSION = 2
 # Rows up to which the native kernel is used. On session 13's CPU it beat oneDNN's packed GEMM at every row
@@ -86,13 +87,13 @@ def _native_unsupported_reason() -> str | None:
 
 
 def build_native(directory: pathlib.Path | None = None, cxx: str | None = None) -> pathlib.Path:
-    """Compile csrc/skinny_gemm.cpp once per source and flags (the file name carries their hash) and return
+    """Compile csrc/*.cpp (NATIVE_SOURCES) once per source and flags (the file name carries their hash) and return
     the shared library. Safe when several processes build at once: each writes a temporary file and renames."""
     cxx = cxx or os.environ.get("CXX") or "g++"
     compiler = shutil.which(cxx)
     if compiler is None:
         raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
-    source = NATIVE_SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in NATIVE_SOURCES)
     digest = hashlib.sha256(source + " ".join(NATIVE_FLAGS).encode()).hexdigest()[:16]
     directory = directory or kernel_dir()
     target = directory / f"skinny_gemm-{digest}.so"
@@ -103,7 +104,7 @@ def build_native(directory: pathlib.Path | None = None, cxx: str | None = None) 
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *NATIVE_FLAGS, "-o", tmp, str(NATIVE_SOURCE)], capture_output=True,
+        done = subprocess.run([compiler, *NATIVE_FLAGS, "-o", tmp, *map(str, NATIVE_SOURCES)], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -131,6 +132,7 @@ def native_gemm():
             fn.int8 = lib.specdec_int8_gemm
             fn.int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
             fn.int8.restype = ctypes.c_int
+            fn.lib = lib
             return fn
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = str(e)

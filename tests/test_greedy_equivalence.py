@@ -213,3 +213,20 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     assert trimmed == totals["draft_tokens_trimmed"]
     assert totals["verify_steps"] > 0 and totals["draft_tokens_accepted"] > 0
     assert totals["draft_tokens_trimmed"] > 0
+
+
+@pytest.mark.parametrize("draft", [DRAFT_EARLY, "local:ngram"], ids=["remote-draft", "local-ngram"])
+def test_a_long_prompt_is_prefilled_by_target_and_draft_at_once(redis_url, draft):
+    """A new session whose prompt the draft must prefill: the target prefills it in parallel (one Prefill call; the
+    first Verify then carries only the last token and the drafts). The in-process n-gram drafter has nothing to
+    prefill, so it does not. Outputs stay those of target-only decoding."""
+    prompt = [(7 * i) % 60 + 1 for i in range(40)]
+    s = start_stack(redis_url, draft=draft)
+    try:
+        ref = s.client.generate(prompt, max_new_tokens=24, speculation=False, ignore_eos=True)
+        spec = s.client.generate(prompt, max_new_tokens=24, max_draft_len=4, ignore_eos=True)
+        assert spec.token_ids == ref.token_ids
+        assert spec.stats["parallel_prefills"] == (1 if draft == DRAFT_EARLY else 0)
+        assert spec.stats["target_resyncs"] == 0 and spec.stats["draft_failures"] == 0
+    finally:
+        s.stop()

@@ -67,9 +67,13 @@ def _pair(spec: str):
     return lean, hf
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-stack", "torch-ops"])
 @pytest.mark.parametrize("spec", ["tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3", GQA])
-def test_lean_forward_matches_transformers_on_the_same_int8_weights(spec):
+def test_lean_forward_matches_transformers_on_the_same_int8_weights(spec, native):
     lean, hf = _pair(spec)
+    assert lean.lean.native is not None  # built here; the torch ops are the fallback elsewhere
+    if not native:
+        lean.lean.native = None
     tokens = [int(t) for t in torch.randint(0, 64, (23,), generator=torch.Generator().manual_seed(1))]
     a, b = SessionKV("s"), SessionKV("s")
     # a prefill, then single tokens, then a block: the three shapes a draft sees
