@@ -47,9 +47,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return self._propose_tree(sid, request, params, delta)
         with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
             t0 = time.perf_counter()
+            stoppable = getattr(self.proposer, "stoppable", False)
+            stop = {"should_stop": lambda: not context.is_active()} if stoppable else {}
             proposal = self.proposer.get_candidates(
                 sid, request.delta.prefix_len, delta, request.max_draft_len, params,
-                request.sampling.seed, request.step, request.min_confidence,
+                request.sampling.seed, request.step, request.min_confidence, **stop,
             )
             ms = (time.perf_counter() - t0) * 1e3
             s.set_attribute("draft_tokens", len(proposal.tokens))

@@ -41,6 +41,7 @@ COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "f
             "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
             "parallel_prefills")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
+STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
 
 
 class GenerationError(Exception):
@@ -213,7 +214,9 @@ class Generation:
         """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed."""
         rec = self.rec
         t0 = time.perf_counter()
-        prefilled = rec.draft_pos == 0
+        # A call whose draft must first take in more than one block's worth of context (a new session's prompt,
+        # the tokens decoded target-only during a pause or a failure) says nothing about what drafting costs.
+        catching_up = rec.draft_pos == 0 or len(rec.committed) - rec.draft_pos > self.cfg.max_draft_len + 1
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
@@ -234,9 +237,10 @@ class Generation:
         wall_ms = (time.perf_counter() - t0) * 1e3
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
-        self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
-        if reply.tokens and not prefilled:
-            self.draft_token_ms.observe(reply.draft_ms / len(reply.tokens))
+        if not catching_up:
+            self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
+            if reply.tokens:
+                self.draft_token_ms.observe(reply.draft_ms / len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -434,9 +438,18 @@ class Generation:
         self.full_block_rate = 0.8 * self.full_block_rate + 0.2 * full
         if future is None:
             return
+        info = replica.info
+        if not full and info is not None and info.strategy in STOPPABLE_DRAFTS:
+            # Of no use now: cancel it rather than wait for a model draft's whole block. The draft stops between
+            # tokens, and leaves the session's cache alone if it had not started (the cancellation reaches it before
+            # the next Propose, on the same connection).
+            future.cancel()
+            return
         try:
-            # Always wait: a stale prefetch landing after the next Propose would scramble the draft's cache.
+            # Otherwise wait: a stale prefetch landing after the next Propose would scramble the draft's cache.
             r = future.result()
+        except grpc.FutureCancelledError:
+            return
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())

@@ -115,3 +115,26 @@ def test_lean_llama_refuses_what_it_does_not_implement():
     assert LeanLlama.supports(loaded.model) is None
     loaded.model.config.hidden_act = "gelu"
     assert "activation" in LeanLlama.supports(loaded.model)
+
+
+def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_session_alone():
+    from draft_service.proposers.model import ModelProposer
+    from specdec.sampling import SamplingParams
+
+    loaded = load_model(GQA, device="cpu", dtype="float32", prepack="off")
+    store = SessionCacheStore()
+    proposer = ModelProposer(loaded, store, int8_draft(loaded, store))
+    greedy = SamplingParams(0.0, 0, 1.0)
+    whole = proposer.get_candidates("a", 0, [1, 2, 3], 6, greedy, 0, 0)
+    assert len(whole.tokens) == 6
+    calls = []
+
+    def stop_after_two():
+        calls.append(1)
+        return len(calls) > 2  # checked once before the session is touched, then after each token
+
+    part = proposer.get_candidates("b", 0, [1, 2, 3], 6, greedy, 0, 0, should_stop=stop_after_two)
+    assert part.tokens == whole.tokens[:2]
+    before = list(store.get("b").tokens)
+    none = proposer.get_candidates("b", 1, [9, 9, 9], 6, greedy, 0, 1, should_stop=lambda: True)
+    assert none.tokens == [] and store.get("b").tokens == before  # not cropped, not extended

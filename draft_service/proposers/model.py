@@ -43,6 +43,7 @@ def limit_draft_vocab(loaded: LoadedModel, n: int) -> bool:
 
 class ModelProposer(Proposer):
     strategy = "model"
+    stoppable = True  # get_candidates takes should_stop: a cancelled call stops between tokens
 
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, lm: CachedLM | None = None):
         """lm: how the model runs (default CachedLM; the int8 draft brings its own, draft_service/int8_draft.py)."""
@@ -52,9 +53,14 @@ class ModelProposer(Proposer):
         self.lm = lm if lm is not None else CachedLM(loaded, self.store)
 
     def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0) -> Proposal:
+                       min_confidence=0.0, should_stop=None) -> Proposal:
+        """should_stop: checked before touching the session and between tokens. A pipelined prefetch the
+        orchestrator no longer wants (its block was not fully accepted) is cancelled: it must neither hold the
+        session's lock for a whole block nor change the cache after the call that replaced it."""
         sess = self.store.get(session_id)
         with sess.lock:
+            if should_stop is not None and should_stop():
+                return Proposal([], None, len(sess.tokens))
             new = self.lm.sync(sess, prefix_len, delta)
             gen = None if params.is_greedy else sampling.make_generator(seed, step, "draft")
             tokens: list[int] = []
@@ -73,6 +79,8 @@ class ModelProposer(Proposer):
                 tokens.append(token)
                 new = [token]
                 if min_confidence > 0 and confidence < min_confidence:
+                    break
+                if should_stop is not None and should_stop():
                     break
             self.store.update_size(sess)
             probs = torch.stack(rows) if rows else None
