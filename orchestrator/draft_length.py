@@ -195,6 +195,33 @@ class DraftEvidence:
                 self._rejected[b] = self.DECAY * self._rejected.get(b, 0.0) + (i >= accepted)
 
 
+class DraftCost:
+    """What drafting costs, shared by an orchestrator's sessions (a new session's first calls need it before they
+    have measured anything): per call (the round trip beyond the draft's own time), per drafted token, and per
+    context token a draft takes in on a session's first call (its prompt prefill: for a draft as large as the
+    target, like its int8 copy, as slow as the target's own)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.call_ms = Ema()
+        self.token_ms = Ema()
+        self.prefill_token_ms = Ema()
+
+    def observe(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
+        """A Propose call that drafted `tokens` tokens after taking in at most a block's worth of context."""
+        with self._lock:
+            if tokens:
+                self.token_ms.observe(draft_ms / tokens)
+            self.call_ms.observe(max(0.0, wall_ms - draft_ms))
+
+    def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int) -> None:
+        """A session's first Propose: the draft took in `context_tokens` tokens, then drafted `tokens`."""
+        if context_tokens > 0:
+            with self._lock:
+                rest = max(0.0, draft_ms - tokens * self.token_ms.get(0.0))
+                self.prefill_token_ms.observe(rest / context_tokens)
+
+
 class GoodputDraftLength:
     """k = argmax over 0..max_len of E(k) / T(k):
     E(k) = 1 + a + ... + a^k, the expected tokens one step commits with per-token acceptance a;
@@ -209,16 +236,15 @@ class GoodputDraftLength:
     EVIDENCE_REQUEST = 10  # with a scoring drafter, ask for this many tokens (at least k) and verify what pays
 
     def __init__(self, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None,
-                 evidence: DraftEvidence | None = None, decode_chunk: int = 1):
+                 evidence: DraftEvidence | None = None, decode_chunk: int = 1, draft_cost: DraftCost | None = None):
         self.cost = cost
+        self.draft_cost = draft_cost if draft_cost is not None else DraftCost()
         self.decode_chunk = max(1, int(decode_chunk))  # tokens per target-only Decode call
         self.prior = prior if prior is not None else AcceptancePrior()
         self.evidence = evidence
         self.scored = False  # the drafter has sent scores
         self.max_len = max(1, min(max_len, cost.max_tokens - 1))
         self.own = DiscountedAcceptance(self.DECAY)
-        self.draft_call_ms = Ema()
-        self.draft_token_ms = Ema()
         self.paused_steps = 0
         self.k = self.best()
 
@@ -230,7 +256,8 @@ class GoodputDraftLength:
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         if k == 0:  # target-only: one Decode call per decode_chunk tokens
             return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk)
-        t = self.cost.step_ms(k + 1, rows) + self.draft_call_ms.get(0.0) + k * self.draft_token_ms.get(0.0)
+        draft = self.draft_cost
+        t = self.cost.step_ms(k + 1, rows) + draft.call_ms.get(0.0) + k * draft.token_ms.get(0.0)
         return expected_accepted_length(min(self.alpha if alpha is None else alpha, 0.999), k) / t
 
     def _argmax(self, lowest: int, rows: int, alpha: float | None = None) -> int:
@@ -256,9 +283,7 @@ class GoodputDraftLength:
 
     def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
         """A Propose call: wall_ms here, of which the draft spent draft_ms drafting `tokens` tokens."""
-        if tokens:
-            self.draft_token_ms.observe(draft_ms / tokens)
-        self.draft_call_ms.observe(max(0.0, wall_ms - draft_ms))
+        self.draft_cost.observe(wall_ms, draft_ms, tokens)
 
     def step_taken(self) -> None:
         """A step without a verify; while paused, count towards the next probe."""
@@ -301,10 +326,10 @@ AdaptiveLength = DraftLength | GoodputDraftLength
 
 def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,
                       prior: AcceptancePrior | None = None, evidence: DraftEvidence | None = None,
-                      decode_chunk: int = 1):
+                      decode_chunk: int = 1, draft_cost: DraftCost | None = None):
     """The per-session draft length: goodput when adaptive and the target reported its forward costs (it ignores
     `start`: its first k comes from the costs and the prior), otherwise transformers' heuristic (adaptive) or
     fixed, starting at `start`."""
     if adaptive and policy == "goodput" and cost is not None and cost.max_tokens >= 2:
-        return GoodputDraftLength(max_len, cost, prior, evidence, decode_chunk)
+        return GoodputDraftLength(max_len, cost, prior, evidence, decode_chunk, draft_cost)
     return DraftLength(start, max_len, adaptive)

@@ -19,8 +19,8 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
-from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftEvidence, Ema, TargetCost,
-                                       make_draft_length)
+from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftCost, DraftEvidence, Ema,
+                                       GoodputDraftLength, TargetCost, make_draft_length)
 from orchestrator.draft_pool import DraftPool
 from orchestrator.local_draft import is_local
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
@@ -139,6 +139,7 @@ class Generation:
     acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
     lease: str = ""  # this stream's session lease token: every write is fenced by it (session_store.py)
     draft_evidence: DraftEvidence | None = None  # what the drafter's token scores mean (goodput draft length)
+    draft_cost: DraftCost = field(default_factory=DraftCost)  # shared by the orchestrator's sessions
 
     def __post_init__(self):
         p = self.rec.params
@@ -157,7 +158,7 @@ class Generation:
             start, self.cfg.max_draft_len,
             self.cfg.adaptive_draft_len and not int(p["max_draft_len"]) and not self.cfg.tree_budget,  # chains only
             self.cfg.draft_len_policy, self.target_cost, self.acceptance_prior, self.draft_evidence,
-            self.cfg.fallback_chunk)
+            self.cfg.fallback_chunk, self.draft_cost)
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
         self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
         self.prefetched = None        # a draft block ready for the current context (pipelining)
@@ -165,7 +166,6 @@ class Generation:
         self.last_block_full = True
         self.full_block_rate = 1.0    # EMA of "the whole block was accepted": how often a prefetch is usable
         self.propose_time = StepTimer()  # Propose round trips: what a usable prefetch saves
-        self.draft_token_ms = Ema()  # the draft's own time per drafted token (calls without a prefill)
 
     # -- the draft side ----------------------------------------------------------------------------
 
@@ -182,18 +182,21 @@ class Generation:
         """A draft slower per token than the target's own step is no help: the deadline allows k tokens at the
         draft's measured time per token, each capped at the measured target step, and at least one target step
         (a draft model nearly the target's size, like its own weights in int8, needs several steps for a long
-        block). A call that must first prefill the context (new session, failover, probe) gets time in proportion,
-        and at least what the target's own forward over that context costs."""
+        block). A call that must first prefill the context (new session, failover, probe) gets time in proportion:
+        the drafts' measured prefill time per context token (as slow as the target's own for a draft of its size),
+        or the first-call deadline until one was measured."""
+        first_call = self.cfg.draft_first_call_timeout_ms
         if self.target_step.ms == 0:  # nothing measured yet
-            return self.cfg.draft_first_call_timeout_ms / 1e3
+            return first_call / 1e3
         step = self.target_step.ms
         factor = self.cfg.draft_timeout_factor
-        budget = factor * max(step, k * min(step, self.draft_token_ms.get(0.0)))
+        budget = factor * max(step, k * min(step, self.draft_cost.token_ms.get(0.0)))
         if self.rec.draft_pos == 0:
             ctx = len(self.rec.committed)
-            cost = self.target_cost
-            prefill = cost.forward(ctx) * cost.load.get(1.0) if cost is not None and cost.max_tokens else 0.0
-            budget = max(budget * (1 + ctx / 128), budget + factor * prefill)
+            per_token = self.draft_cost.prefill_token_ms.value
+            if per_token is None:
+                return max(first_call, budget * (1 + ctx / 128)) / 1e3
+            budget = max(budget * (1 + ctx / 128), budget + factor * ctx * per_token)
         return max(self.cfg.draft_timeout_floor_ms, budget) / 1e3
 
     def _pick_replica(self):
@@ -216,7 +219,8 @@ class Generation:
         t0 = time.perf_counter()
         # A call whose draft must first take in more than one block's worth of context (a new session's prompt,
         # the tokens decoded target-only during a pause or a failure) says nothing about what drafting costs.
-        catching_up = rec.draft_pos == 0 or len(rec.committed) - rec.draft_pos > self.cfg.max_draft_len + 1
+        prefilled = rec.draft_pos == 0
+        catching_up = prefilled or len(rec.committed) - rec.draft_pos > self.cfg.max_draft_len + 1
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
@@ -237,10 +241,12 @@ class Generation:
         wall_ms = (time.perf_counter() - t0) * 1e3
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
-        if not catching_up:
+        if prefilled or reply.resynced:  # the draft took in the whole context first
+            self.draft_cost.observe_prefill(reply.draft_ms, len(rec.committed), len(reply.tokens))
+        elif not catching_up:
             self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
-            if reply.tokens:
-                self.draft_token_ms.observe(reply.draft_ms / len(reply.tokens))
+            if not isinstance(self.draft_len, GoodputDraftLength):  # goodput records it in the shared cost itself
+                self.draft_cost.observe(wall_ms, reply.draft_ms, len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False

@@ -14,7 +14,7 @@ import threading
 import grpc
 
 from orchestrator.clients import TargetClient
-from orchestrator.draft_length import AcceptancePrior, DraftEvidence, TargetCost
+from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
@@ -72,6 +72,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                             if len(target_info.forward_ms) >= 2 else None)
         self.acceptance_prior = AcceptancePrior()
         self.draft_evidence = DraftEvidence()  # what the drafters' token scores mean, learned across sessions
+        self.draft_cost = DraftCost()  # what drafting costs per call, token and prefilled token, across sessions
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
@@ -244,7 +245,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 cancel.set()  # it went away before the callback was registered (e.g. while waiting for the lease)
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
                              cancel, self.window, self.target_step, self._active_count, self.target_cost,
-                             self.acceptance_prior, lease, self.draft_evidence)
+                             self.acceptance_prior, lease, self.draft_evidence, self.draft_cost)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0

@@ -5,6 +5,7 @@
 // In: the rows' embeddings; out: the residual stream after the last layer (the final norm and the LM head stay in
 // Python). Keys and values go into the session's buffer [layers, kv_heads, capacity, head_dim] at positions
 // past .. past + T - 1; row t attends to positions 0 .. past + t.
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,6 +57,22 @@ void rotate(float* v, const float* cos, const float* sin, long d) {
   }
 }
 
+// q . k over one head. Without -ffast-math the compiler keeps a scalar sum's order, so the lanes are explicit.
+float dot(const float* a, const float* b, long n) {
+  long i = 0;
+  float s = 0.f;
+  if (n >= 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (i = 8; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    s = _mm_cvtss_f32(lo);
+  }
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
 int gemm(const SpecdecInt8Matrix& m, const float* x, float* y, long rows) {
   return specdec_int8_gemm(x, m.q, m.scale, m.bias, y, rows, m.n, m.k);
 }
@@ -105,9 +122,7 @@ int specdec_int8_llama_forward(const SpecdecLlamaDims* d, const SpecdecLlamaLaye
         const float* vh = lv + (a / group) * capacity * hd;
         float mx = -INFINITY;
         for (long j = 0; j < n; j++) {
-          float s = 0.f;
-          for (long e = 0; e < hd; e++) s += q[e] * kh[j * hd + e];
-          score[j] = s * scale;
+          score[j] = dot(q, kh + j * hd, hd) * scale;
           mx = score[j] > mx ? score[j] : mx;
         }
         float sum = 0.f;
