@@ -419,14 +419,18 @@ class Generation:
         reply.tokens, reply.probs, reply.scores = reply.tokens[:k], reply.probs[:k], reply.scores[:k]
         return reply, False
 
-    def _prefetch_pays(self) -> bool:
+    def _prefetch_pays(self, replica) -> bool:
         """auto: a prefetch saves one Propose round trip when the block is fully accepted, and costs about one
-        extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss."""
-        return self.last_block_full and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms
+        extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss. A model draft's
+        prefetch is cancelled when its block is not fully accepted (it only used the draft's otherwise idle time),
+        so it is started after any block; others only after a fully accepted one."""
+        stoppable = replica.info is not None and replica.info.strategy in STOPPABLE_DRAFTS
+        return ((self.last_block_full or stoppable)
+                and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms)
 
     def _start_prefetch(self, replica, reply, k: int):
         """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more)."""
-        if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self._prefetch_pays()):
+        if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self._prefetch_pays(replica)):
             return None
         rec = self.rec
         ctx = len(rec.committed)
@@ -451,6 +455,7 @@ class Generation:
             # the next Propose, on the same connection).
             future.cancel()
             return
+        t0 = time.perf_counter()
         try:
             # Otherwise wait: a stale prefetch landing after the next Propose would scramble the draft's cache.
             r = future.result()
@@ -460,6 +465,8 @@ class Generation:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())
             return
+        finally:  # waiting for the draft is drafting time, not the orchestrator's own (TargetCost.observe_step)
+            self.step_draft_ms += (time.perf_counter() - t0) * 1e3
         if (full and len(r.tokens) > 1 and r.tokens[0] == new[-1] and all(t < self.vocab_size for t in r.tokens)
                 and _valid_distributions(r.probs, self.vocab_size)
                 and (self.params.is_greedy or len(r.probs) in (0, len(r.tokens)))):

@@ -90,8 +90,9 @@ class ServiceProcess:
 @dataclass
 class StackConfig:
     target_model: str = "smollm2"
-    draft_strategy: str = "auto"  # auto: the distilled draft model if cached, else n-gram prompt lookup;
-    # local-ngram: the n-gram drafter inside the orchestrator (no draft process)
+    draft_strategy: str = "auto"  # auto: for SmolLM2 on a CPU with the native kernel, its own int8 copy
+    # (quantized), else the distilled draft model if it pays, else n-gram prompt lookup; local-ngram: the n-gram
+    # drafter inside the orchestrator (no draft process)
     draft_model: str = "smollm2-draft"
     draft_replicas: int = 1
     draft_len: int = 4
@@ -128,11 +129,29 @@ def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: 
 
 
 def resolve_draft_strategy(cfg: StackConfig) -> str:
+    """auto, for the default target: its own weights in int8 where the draft runs on a CPU with the native kernel
+    (measured best here, docs/benchmark.md session 14), else the distilled draft if its report predicts a speedup,
+    else n-gram prompt lookup. Another target: the draft model given."""
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy
     if cfg.target_model in ("smollm2", "smollm2-135m-instruct") and cfg.draft_model == "smollm2-draft":
+        if int8_draft_runs_here(cfg.device):
+            return QUANTIZED
         return "model" if distilled_draft_pays() else "ngram"
     return "model"
+
+
+def int8_draft_runs_here(device: str = "auto") -> bool:
+    """The int8 draft needs a CPU device and the native kernel (AVX2 + FMA, g++ at first use)."""
+    from specdec import cpu_kernels
+    from specdec.models import resolve_device
+
+    try:
+        if resolve_device(device).type != "cpu":
+            return False
+    except ValueError:
+        return False
+    return cpu_kernels.native_gemm() is not None
 
 
 def distilled_draft_pays() -> bool:

@@ -221,3 +221,18 @@ def test_goodput_verifies_only_the_scored_prefix_that_pays():
     assert plain.verify_len([9.0] * 5, limit=16) == 5 and plain.request_len(3) == 3
     fixed = DraftLength(4, 16, adaptive=False)
     assert fixed.request_len(4) == 4 and fixed.verify_len([9.0] * 4, limit=16) == 4
+
+
+def test_draft_cost_is_shared_and_keeps_prefill_apart():
+    from orchestrator.draft_length import DraftCost
+
+    shared = DraftCost()
+    first = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=shared)
+    first.observe_draft(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a drafted token, 2 ms a call
+    shared.observe_prefill(draft_ms=900.0, context_tokens=150, tokens=4)  # 60 ms of it drafting: 5.6 ms a token
+    assert shared.token_ms.value == pytest.approx(15.0) and shared.call_ms.value == pytest.approx(2.0)
+    assert shared.prefill_token_ms.value == pytest.approx(840.0 / 150)
+    second = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=shared)  # a new session knows the cost
+    free = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
+    expected_ms = FLAT_TO_6[4] + 2.0 + 4 * 15.0  # verify 5 tokens + the call + 4 drafted tokens
+    assert second.tokens_per_ms(4) == pytest.approx(free.tokens_per_ms(4) * FLAT_TO_6[4] / expected_ms)

@@ -1,0 +1,39 @@
+"""The orchestrator's deadline for a Propose call: scaled to the block it asks for and to a first call's prefill."""
+
+from orchestrator.draft_length import DraftCost
+from orchestrator.generation import Generation, LoopConfig
+
+
+class _Rec:
+    def __init__(self, committed: int, draft_pos: int):
+        self.committed = list(range(committed))
+        self.draft_pos = draft_pos
+
+
+def _gen(step_ms: float, committed: int, draft_pos: int, cost: DraftCost) -> Generation:
+    gen = Generation.__new__(Generation)  # only the fields the deadline reads
+    gen.cfg = LoopConfig()
+    gen.rec = _Rec(committed, draft_pos)
+    gen.draft_cost = cost
+    gen.target_step = type("Step", (), {"ms": step_ms})()
+    return gen
+
+
+def test_deadline_allows_a_block_of_a_measured_draft_model():
+    cost = DraftCost()
+    assert _gen(50.0, 200, 190, cost)._draft_timeout_s(8) == 0.1  # nothing measured: one target step x 2
+    cost.observe(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a token
+    assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(8) - 2 * 8 * 15 / 1e3) < 1e-9
+    cost.token_ms.value = 500.0  # a draft slower per token than the target is capped at a target step a token
+    assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(8) - 2 * 8 * 50 / 1e3) < 1e-9
+
+
+def test_first_call_deadline_follows_the_measured_prefill_rate():
+    cost = DraftCost()
+    cost.observe(wall_ms=62.0, draft_ms=60.0, tokens=4)
+    unmeasured = _gen(50.0, 150, 0, cost)._draft_timeout_s(4)
+    assert unmeasured == LoopConfig().draft_first_call_timeout_ms / 1e3  # generous until a prefill was seen
+    cost.observe_prefill(draft_ms=900.0, context_tokens=150, tokens=4)  # 5.6 ms per context token
+    budget = 2 * max(50.0, 4 * 15.0)
+    expect = max(budget * (1 + 300 / 128), budget + 2 * 300 * cost.prefill_token_ms.value) / 1e3
+    assert abs(_gen(50.0, 300, 0, cost)._draft_timeout_s(4) - expect) < 1e-9  # twice the context: about twice
