@@ -138,3 +138,14 @@ def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_sessio
     before = list(store.get("b").tokens)
     none = proposer.get_candidates("b", 1, [9, 9, 9], 6, greedy, 0, 1, should_stop=lambda: True)
     assert none.tokens == [] and store.get("b").tokens == before  # not cropped, not extended
+
+
+def test_auto_draft_strategy_takes_the_int8_copy_of_smollm2_where_it_runs(monkeypatch):
+    from specdec.stack import StackConfig, draft_model_args, resolve_draft_strategy
+
+    assert resolve_draft_strategy(StackConfig(target_model="smollm2")) == "quantized"
+    assert draft_model_args("quantized", "smollm2-draft", "smollm2") == ["--model", "smollm2", "--vocab-from",
+                                                                         "smollm2"]  # the target's own weights
+    assert resolve_draft_strategy(StackConfig(target_model="tiny", draft_model="tiny")) == "model"  # not SmolLM2
+    monkeypatch.setattr(cpu_kernels, "native_gemm", lambda: None)  # no AVX2 / g++: the n-gram or distilled draft
+    assert resolve_draft_strategy(StackConfig(target_model="smollm2")) in ("ngram", "model")
