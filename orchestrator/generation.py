@@ -184,13 +184,16 @@ class Generation:
         (a draft model nearly the target's size, like its own weights in int8, needs several steps for a long
         block). A call that must first prefill the context (new session, failover, probe) gets time in proportion:
         the drafts' measured prefill time per context token (as slow as the target's own for a draft of its size),
-        or the first-call deadline until one was measured."""
+        or the first-call deadline until one was measured; so does every call until a draft token's time was."""
         first_call = self.cfg.draft_first_call_timeout_ms
         if self.target_step.ms == 0:  # nothing measured yet
             return first_call / 1e3
         step = self.target_step.ms
         factor = self.cfg.draft_timeout_factor
-        budget = factor * max(step, k * min(step, self.draft_cost.token_ms.get(0.0)))
+        token_ms = self.draft_cost.token_ms.value
+        if token_ms is None and self.rec.draft_pos > 0:  # drafting itself not measured yet (a fresh orchestrator)
+            return max(first_call, factor * step) / 1e3
+        budget = factor * max(step, k * min(step, token_ms or 0.0))
         if self.rec.draft_pos == 0:
             ctx = len(self.rec.committed)
             per_token = self.draft_cost.prefill_token_ms.value

@@ -21,7 +21,7 @@ def _gen(step_ms: float, committed: int, draft_pos: int, cost: DraftCost) -> Gen
 
 def test_deadline_allows_a_block_of_a_measured_draft_model():
     cost = DraftCost()
-    assert _gen(50.0, 200, 190, cost)._draft_timeout_s(8) == 0.1  # nothing measured: one target step x 2
+    assert _gen(50.0, 200, 190, cost)._draft_timeout_s(8) == 5.0  # nothing measured yet: the first-call deadline
     cost.observe(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a token
     assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(8) - 2 * 8 * 15 / 1e3) < 1e-9
     cost.token_ms.value = 500.0  # a draft slower per token than the target is capped at a target step a token
