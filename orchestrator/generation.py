@@ -221,9 +221,11 @@ class Generation:
         rec = self.rec
         t0 = time.perf_counter()
         # A call whose draft must first take in more than one block's worth of context (a new session's prompt,
-        # the tokens decoded target-only during a pause or a failure) says nothing about what drafting costs.
+        # the tokens decoded target-only during a pause or a failure) pays for that intake at the drafts' prefill
+        # rate; only the rest is what drafting costs.
         prefilled = rec.draft_pos == 0
-        catching_up = prefilled or len(rec.committed) - rec.draft_pos > self.cfg.max_draft_len + 1
+        intake = len(rec.committed) - rec.draft_pos
+        catching_up = intake > self.cfg.max_draft_len + 1
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
@@ -246,10 +248,14 @@ class Generation:
         self.propose_time.observe(wall_ms)
         if prefilled or reply.resynced:  # the draft took in the whole context first
             self.draft_cost.observe_prefill(reply.draft_ms, len(rec.committed), len(reply.tokens))
-        elif not catching_up:
-            self.draft_len.observe_draft(wall_ms, reply.draft_ms, len(reply.tokens))
+        elif not catching_up or self.draft_cost.prefill_token_ms.value is not None:
+            # A probe after a pause catches up first: without this a cost measured under load (8 sessions sharing
+            # one draft) would never be measured again, and the pause would last.
+            intake_ms = intake * self.draft_cost.prefill_token_ms.get(0.0) if catching_up else 0.0
+            drafting_ms = max(0.0, reply.draft_ms - intake_ms)
+            self.draft_len.observe_draft(wall_ms - intake_ms, drafting_ms, len(reply.tokens))
             if not isinstance(self.draft_len, GoodputDraftLength):  # goodput records it in the shared cost itself
-                self.draft_cost.observe(wall_ms, reply.draft_ms, len(reply.tokens))
+                self.draft_cost.observe(wall_ms - intake_ms, drafting_ms, len(reply.tokens))
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
