@@ -199,7 +199,9 @@ class DraftCost:
     """What drafting costs, shared by an orchestrator's sessions (a new session's first calls need it before they
     have measured anything): per call (the round trip beyond the draft's own time), per drafted token, and per
     context token a draft takes in on a session's first call (its prompt prefill: for a draft as large as the
-    target, like its int8 copy, as slow as the target's own)."""
+    target, like its int8 copy, as slow as the target's own). Token costs are kept per session generating: a
+    draft serves concurrent sessions' calls on the same cores, so at n sessions a call takes ~n times as long, and
+    a cost measured under load must not keep a lone session from drafting later (or the reverse)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -207,19 +209,26 @@ class DraftCost:
         self.token_ms = Ema()
         self.prefill_token_ms = Ema()
 
-    def observe(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
-        """A Propose call that drafted `tokens` tokens after taking in at most a block's worth of context."""
+    def observe(self, wall_ms: float, draft_ms: float, tokens: int, sessions: int = 1) -> None:
+        """A Propose call that drafted `tokens` tokens (with `sessions` generating at the time)."""
         with self._lock:
             if tokens:
-                self.token_ms.observe(draft_ms / tokens)
+                self.token_ms.observe(draft_ms / tokens / max(1, sessions))
             self.call_ms.observe(max(0.0, wall_ms - draft_ms))
 
-    def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int) -> None:
+    def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int, sessions: int = 1) -> None:
         """A session's first Propose: the draft took in `context_tokens` tokens, then drafted `tokens`."""
         if context_tokens > 0:
             with self._lock:
-                rest = max(0.0, draft_ms - tokens * self.token_ms.get(0.0))
+                rest = max(0.0, draft_ms / max(1, sessions) - tokens * self.token_ms.get(0.0))
                 self.prefill_token_ms.observe(rest / context_tokens)
+
+    def per_token(self, sessions: int = 1) -> float:
+        return self.token_ms.get(0.0) * max(1, sessions)
+
+    def per_prefill_token(self, sessions: int = 1) -> float | None:
+        value = self.prefill_token_ms.value
+        return None if value is None else value * max(1, sessions)
 
 
 class GoodputDraftLength:
@@ -257,7 +266,7 @@ class GoodputDraftLength:
         if k == 0:  # target-only: one Decode call per decode_chunk tokens
             return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk)
         draft = self.draft_cost
-        t = self.cost.step_ms(k + 1, rows) + draft.call_ms.get(0.0) + k * draft.token_ms.get(0.0)
+        t = self.cost.step_ms(k + 1, rows) + draft.call_ms.get(0.0) + k * draft.per_token(self._sessions())
         return expected_accepted_length(min(self.alpha if alpha is None else alpha, 0.999), k) / t
 
     def _argmax(self, lowest: int, rows: int, alpha: float | None = None) -> int:
@@ -283,7 +292,10 @@ class GoodputDraftLength:
 
     def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
         """A Propose call: wall_ms here, of which the draft spent draft_ms drafting `tokens` tokens."""
-        self.draft_cost.observe(wall_ms, draft_ms, tokens)
+        self.draft_cost.observe(wall_ms, draft_ms, tokens, self._sessions())
+
+    def _sessions(self) -> int:
+        return max(1, int(self.cost.sessions()))
 
     def step_taken(self) -> None:
         """A step without a verify; while paused, count towards the next probe."""

@@ -190,17 +190,21 @@ class Generation:
             return first_call / 1e3
         step = self.target_step.ms
         factor = self.cfg.draft_timeout_factor
-        token_ms = self.draft_cost.token_ms.value
-        if token_ms is None and self.rec.draft_pos > 0:  # drafting itself not measured yet (a fresh orchestrator)
+        sessions = self._sessions()
+        if self.draft_cost.token_ms.value is None and self.rec.draft_pos > 0:  # a fresh orchestrator
             return max(first_call, factor * step) / 1e3
-        budget = factor * max(step, k * min(step, token_ms or 0.0))
+        budget = factor * max(step, k * min(step, self.draft_cost.per_token(sessions)))
         if self.rec.draft_pos == 0:
             ctx = len(self.rec.committed)
-            per_token = self.draft_cost.prefill_token_ms.value
+            per_token = self.draft_cost.per_prefill_token(sessions)
             if per_token is None:
                 return max(first_call, budget * (1 + ctx / 128)) / 1e3
             budget = max(budget * (1 + ctx / 128), budget + factor * ctx * per_token)
         return max(self.cfg.draft_timeout_floor_ms, budget) / 1e3
+
+    def _sessions(self) -> int:
+        """Generations running in this orchestrator now: they share the draft (DraftCost keeps costs per session)."""
+        return max(1, int(self.active_sessions())) if self.active_sessions is not None else 1
 
     def _pick_replica(self):
         rec = self.rec
@@ -246,16 +250,17 @@ class Generation:
         wall_ms = (time.perf_counter() - t0) * 1e3
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
+        sessions = self._sessions()
         if prefilled or reply.resynced:  # the draft took in the whole context first
-            self.draft_cost.observe_prefill(reply.draft_ms, len(rec.committed), len(reply.tokens))
+            self.draft_cost.observe_prefill(reply.draft_ms, len(rec.committed), len(reply.tokens), sessions)
         elif not catching_up or self.draft_cost.prefill_token_ms.value is not None:
-            # A probe after a pause catches up first: without this a cost measured under load (8 sessions sharing
-            # one draft) would never be measured again, and the pause would last.
-            intake_ms = intake * self.draft_cost.prefill_token_ms.get(0.0) if catching_up else 0.0
+            # A probe after a pause catches up first: measured too (its intake charged at the prefill rate), else a
+            # cost learned in a slow spell would never be measured again and the pause would last.
+            intake_ms = intake * self.draft_cost.per_prefill_token(sessions) if catching_up else 0.0
             drafting_ms = max(0.0, reply.draft_ms - intake_ms)
             self.draft_len.observe_draft(wall_ms - intake_ms, drafting_ms, len(reply.tokens))
             if not isinstance(self.draft_len, GoodputDraftLength):  # goodput records it in the shared cost itself
-                self.draft_cost.observe(wall_ms - intake_ms, drafting_ms, len(reply.tokens))
+                self.draft_cost.observe(wall_ms - intake_ms, drafting_ms, len(reply.tokens), sessions)
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False

@@ -236,3 +236,17 @@ def test_draft_cost_is_shared_and_keeps_prefill_apart():
     free = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     expected_ms = FLAT_TO_6[4] + 2.0 + 4 * 15.0  # verify 5 tokens + the call + 4 drafted tokens
     assert second.tokens_per_ms(4) == pytest.approx(free.tokens_per_ms(4) * FLAT_TO_6[4] / expected_ms)
+
+
+def test_draft_cost_measured_under_load_is_kept_per_session():
+    from orchestrator.draft_length import DraftCost
+
+    cost = DraftCost()
+    cost.observe(wall_ms=482.0, draft_ms=480.0, tokens=4, sessions=8)  # 8 sessions share the draft: 120 ms a token
+    assert cost.per_token(8) == pytest.approx(120.0)
+    assert cost.per_token(1) == pytest.approx(15.0)  # a lone session later is costed at its own share
+    busy = GoodputDraftLength(16, TargetCost(FLAT_TO_6, max_batch=16, sessions=lambda: 8), draft_cost=cost)
+    alone = GoodputDraftLength(16, TargetCost(FLAT_TO_6, max_batch=16, sessions=lambda: 1), draft_cost=cost)
+    for d in (busy, alone):
+        d.own.successes, d.own.failures = 30.0, 1.0
+    assert alone.best() > 0 and busy.best() < alone.best()
