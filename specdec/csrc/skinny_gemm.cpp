@@ -28,18 +28,26 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
-// MR rows of x against NR rows of w; `prefetch` (may be null) is where the stream continues.
-template <int MR, int NR>
-void block(const float* x, long K, const float* w, float* y, long ldy, const float* bias, const float* prefetch) {
+// Eight weights as floats: float32 as they are, int8 widened (vpmovsxbd + vcvtdq2ps).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// MR rows of x against NR rows of w (float32 or int8; `scale`, per weight row, null for float32); `prefetch` (may
+// be null) is where the stream continues.
+template <int MR, int NR, typename W>
+void block_of(const float* x, long K, const W* w, const float* scale, float* y, long ldy, const float* bias,
+              const W* prefetch) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
   long k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (prefetch && (k & 15) == 0)  // one prefetch per 64-byte line of each upcoming weight row
+    if (prefetch && ((k * (long)sizeof(W)) & 63) == 0)  // one prefetch per 64-byte line of each upcoming row
       for (int n = 0; n < NR; n++) _mm_prefetch((const char*)(prefetch + n * K + k), _MM_HINT_T0);
     __m256 wv[NR];
-    for (int n = 0; n < NR; n++) wv[n] = _mm256_loadu_ps(w + n * K + k);
+    for (int n = 0; n < NR; n++) wv[n] = load8(w + n * K + k);
     for (int m = 0; m < MR; m++) {
       __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int n = 0; n < NR; n++) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
@@ -48,10 +56,16 @@ void block(const float* x, long K, const float* w, float* y, long ldy, const flo
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++) {
       float s = hsum(acc[m][n]);
-      for (long t = k; t < K; t++) s = fmaf(x[m * K + t], w[n * K + t], s);
+      for (long t = k; t < K; t++) s = fmaf(x[m * K + t], (float)w[n * K + t], s);
+      if (scale) s *= scale[n];
       if (bias) s += bias[n];
       y[m * ldy + n] = s;
     }
+}
+
+template <int MR, int NR>
+void block(const float* x, long K, const float* w, float* y, long ldy, const float* bias, const float* prefetch) {
+  block_of<MR, NR, float>(x, K, w, nullptr, y, ldy, bias, prefetch);
 }
 
 typedef void (*BlockFn)(const float*, long, const float*, float*, long, const float*, const float*);
@@ -80,35 +94,13 @@ const int kMultiChunkBlock = 3;
 const int kMaxChunks = 8;
 const long kPrefetchBlocks = 2;  // how far ahead (in weight blocks) the stream is prefetched
 
-// Int8 weights: 8 at a time widened to float (vpmovsxbd + vcvtdq2ps), then the float kernel's FMAs; the row's
-// scale multiplies the finished sum. (Tried: int16 activations with vpmaddwd, 16 products per instruction; no
-// faster here at 1-128 rows, and it rounds the activations.)
+// Int8 weights (block_of with W = int8_t): widened to float 8 at a time for the FMAs; the row's scale multiplies
+// the finished sum. (Tried: int16 activations with vpmaddwd, 16 products per instruction; no faster here at
+// 1-128 rows, and it rounds the activations.)
 template <int MR, int NR>
 void block_i8(const float* x, long K, const int8_t* w, const float* scale, float* y, long ldy, const float* bias,
               const int8_t* prefetch) {
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
-  long k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if (prefetch && (k & 63) == 0)
-      for (int n = 0; n < NR; n++) _mm_prefetch((const char*)(prefetch + n * K + k), _MM_HINT_T0);
-    __m256 wv[NR];
-    for (int n = 0; n < NR; n++)
-      wv[n] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + n * K + k))));
-    for (int m = 0; m < MR; m++) {
-      __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int n = 0; n < NR; n++) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
-    }
-  }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) {
-      float s = hsum(acc[m][n]);
-      for (long t = k; t < K; t++) s = fmaf(x[m * K + t], (float)w[n * K + t], s);
-      s *= scale[n];
-      if (bias) s += bias[n];
-      y[m * ldy + n] = s;
-    }
+  block_of<MR, NR, int8_t>(x, K, w, scale, y, ldy, bias, prefetch);
 }
 
 typedef void (*BlockI8Fn)(const float*, long, const int8_t*, const float*, float*, long, const float*,
