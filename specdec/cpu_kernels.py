@@ -36,7 +36,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # One library: the few-row float32 GEMM (and its int8-weight variant), and the int8 Llama decoder stack.
-NATIVE_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / name for name in ("skinny_gemm.cpp", "int8_llama.cpp"))
+NATIVE_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / name
+                       for name in ("skinny_gemm.cpp", "int8_llama.cpp"))
 NATIVE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 NATIVE_VERSION = 2
 # Rows up to which the native kernel is used. On session 13's CPU it beat oneDNN's packed GEMM at every row
