@@ -165,19 +165,24 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     from orchestrator.generation import Generation, LoopConfig
 
     from orchestrator.generation import StepTimer
+    from specdec.v1 import common_pb2
 
     gen = types.SimpleNamespace(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), last_block_full=True,
                                 full_block_rate=1.0, propose_time=StepTimer())
+    ngram = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="ngram"))
+    model_draft = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="quantized"))
     gen.propose_time.observe(0.4)
     pays = Generation._prefetch_pays
-    assert not pays(gen)                       # cheap drafter: nothing to hide
+    assert not pays(gen, ngram)                # cheap drafter: nothing to hide
     gen.propose_time, gen.full_block_rate = StepTimer(), 0.7
     gen.propose_time.observe(20.0)
-    assert pays(gen)                           # 14 ms expected saving
+    assert pays(gen, ngram)                    # 14 ms expected saving
     gen.full_block_rate = 0.03
-    assert not pays(gen)                       # blocks are rarely fully accepted: prefetches are wasted
+    assert not pays(gen, ngram)                # blocks are rarely fully accepted: prefetches are wasted
     gen.full_block_rate, gen.last_block_full = 0.7, False
-    assert not pays(gen)                       # right after a rejection
+    assert not pays(gen, ngram)                # right after a rejection: waiting for a stale one would cost
+    assert pays(gen, model_draft)              # a model draft's stale prefetch is cancelled: start it anyway
+    assert not pays(gen, types.SimpleNamespace(info=None))  # a replica not yet known: as a free drafter
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "packed"])
