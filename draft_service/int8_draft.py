@@ -44,12 +44,7 @@ class _FusedInt8(torch.nn.Module):
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach().float() if b is not None else torch.zeros(lin.out_features)
                               for b, lin in zip(biases, linears)])
-        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        with torch.no_grad():
-            fused.weight.copy_(weight)
-            if bias is not None:
-                fused.bias.copy_(bias)
-        self.linear = cpu_kernels.Int8Linear(fused)
+        self.linear = cpu_kernels.Int8Linear(weight=weight, bias=bias)
         self.sizes = [lin.out_features for lin in linears]
 
     def forward(self, x):

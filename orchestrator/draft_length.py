@@ -37,9 +37,6 @@ class DraftLength:
             return
         self.k = min(self.max_len, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
-    def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
-        """Heuristic and fixed lengths ignore costs."""
-
     def step_taken(self) -> None:
         """Heuristic and fixed lengths never pause."""
 
@@ -289,10 +286,6 @@ class GoodputDraftLength:
         self.prior.update(proposed, accepted)
         self.paused_steps = 0
         self.k = self.best()
-
-    def observe_draft(self, wall_ms: float, draft_ms: float, tokens: int) -> None:
-        """A Propose call: wall_ms here, of which the draft spent draft_ms drafting `tokens` tokens."""
-        self.draft_cost.observe(wall_ms, draft_ms, tokens, self._sessions())
 
     def _sessions(self) -> int:
         return max(1, int(self.cost.sessions()))

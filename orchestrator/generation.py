@@ -19,8 +19,8 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.clients import TargetClient
-from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftCost, DraftEvidence, Ema,
-                                       GoodputDraftLength, TargetCost, make_draft_length)
+from orchestrator.draft_length import (AcceptancePrior, AdaptiveLength, DraftCost, DraftEvidence, Ema, TargetCost,
+                                       make_draft_length)
 from orchestrator.draft_pool import DraftPool
 from orchestrator.local_draft import is_local
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
@@ -42,6 +42,10 @@ COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "f
             "parallel_prefills")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
+
+
+def _stoppable(replica) -> bool:
+    return replica.info is not None and replica.info.strategy in STOPPABLE_DRAFTS
 
 
 class GenerationError(Exception):
@@ -258,9 +262,7 @@ class Generation:
             # cost learned in a slow spell would never be measured again and the pause would last.
             intake_ms = intake * self.draft_cost.per_prefill_token(sessions) if catching_up else 0.0
             drafting_ms = max(0.0, reply.draft_ms - intake_ms)
-            self.draft_len.observe_draft(wall_ms - intake_ms, drafting_ms, len(reply.tokens))
-            if not isinstance(self.draft_len, GoodputDraftLength):  # goodput records it in the shared cost itself
-                self.draft_cost.observe(wall_ms - intake_ms, drafting_ms, len(reply.tokens), sessions)
+            self.draft_cost.observe(wall_ms - intake_ms, drafting_ms, len(reply.tokens), sessions)
         if not reply.tokens:  # nothing to propose (e.g. no n-gram match): a plain target step
             rec.draft_pos = min(len(rec.committed), reply.cached_len)
             return None, False
@@ -438,8 +440,7 @@ class Generation:
         extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss. A model draft's
         prefetch is cancelled when its block is not fully accepted (it only used the draft's otherwise idle time),
         so it is started after any block; others only after a fully accepted one."""
-        stoppable = replica.info is not None and replica.info.strategy in STOPPABLE_DRAFTS
-        return ((self.last_block_full or stoppable)
+        return ((self.last_block_full or _stoppable(replica))
                 and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms)
 
     def _start_prefetch(self, replica, reply, k: int):
@@ -462,8 +463,7 @@ class Generation:
         self.full_block_rate = 0.8 * self.full_block_rate + 0.2 * full
         if future is None:
             return
-        info = replica.info
-        if not full and info is not None and info.strategy in STOPPABLE_DRAFTS:
+        if not full and _stoppable(replica):
             # Of no use now: cancel it rather than wait for a model draft's whole block. The draft stops between
             # tokens, and leaves the session's cache alone if it had not started (the cancellation reaches it before
             # the next Propose, on the same connection).

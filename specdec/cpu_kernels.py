@@ -291,13 +291,16 @@ class Int8Linear(torch.nn.Module):
     picks the target's greedy token at 97% of positions (session 14). Runs on the native kernel; without it, on
     the weight dequantised per call (correct, slow: logged once by native_gemm)."""
 
-    def __init__(self, linear: torch.nn.Module):
+    def __init__(self, linear: torch.nn.Module | None = None, *, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        """From a linear layer, or from a float `weight` [N, K] (and `bias`)."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_int8(linear.weight)
+        if linear is not None:
+            weight, bias = linear.weight, getattr(linear, "bias", None)
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
-        bias = getattr(linear, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

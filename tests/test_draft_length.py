@@ -59,7 +59,7 @@ def test_goodput_weighs_the_draft_cost():
     slow = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     for d, per_token in ((cheap, 0.1), (slow, 15.0)):
         for _ in range(5):
-            d.observe_draft(wall_ms=1.0 + 4 * per_token, draft_ms=4 * per_token, tokens=4)
+            d.draft_cost.observe(wall_ms=1.0 + 4 * per_token, draft_ms=4 * per_token, tokens=4)
             d.update(4, 2)
     assert cheap.alpha == pytest.approx(slow.alpha)
     assert slow.k < cheap.k  # a draft token costing a quarter of a target step is worth fewer drafts
@@ -228,7 +228,7 @@ def test_draft_cost_is_shared_and_keeps_prefill_apart():
 
     shared = DraftCost()
     first = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=shared)
-    first.observe_draft(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a drafted token, 2 ms a call
+    shared.observe(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a drafted token, 2 ms a call
     shared.observe_prefill(draft_ms=900.0, context_tokens=150, tokens=4)  # 60 ms of it drafting: 5.6 ms a token
     assert shared.token_ms.value == pytest.approx(15.0) and shared.call_ms.value == pytest.approx(2.0)
     assert shared.prefill_token_ms.value == pytest.approx(840.0 / 150)
