@@ -24,6 +24,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from draft_service.draft_batcher import DraftStepBatcher
 from specdec import cpu_kernels
 from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, check_context
 from specdec.models import LoadedModel
@@ -87,6 +88,10 @@ class _Layer(ctypes.Structure):
                 ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
 
 
+class _KvBuffer(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("capacity", ctypes.c_long)]
+
+
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
                 ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("layers", ctypes.c_long),
@@ -100,14 +105,14 @@ def _matrix(module: torch.nn.Module) -> _Matrix:
 
 
 def _native_stack():
-    """specdec_int8_llama_forward from the native library, or None (then the torch ops below run instead)."""
+    """specdec_int8_llama_forward_rows from the native library, or None (then the torch ops below run instead)."""
     fn = cpu_kernels.native_gemm()
-    if fn is None:
+    if fn is None or fn.lib.specdec_int8_llama_version() != 2:
         return None
-    forward = fn.lib.specdec_int8_llama_forward
+    forward = fn.lib.specdec_int8_llama_forward_rows
     forward.argtypes = [ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_long,
-                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_long]
+                        ctypes.POINTER(_KvBuffer), ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_void_p]
     forward.restype = ctypes.c_int
     return forward
 
@@ -175,23 +180,52 @@ class LeanLlama(torch.nn.Module):
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim)
 
-    @torch.inference_mode()
     def forward(self, tokens: list[int], cache: LeanCache, keep: int, native: bool = True) -> torch.Tensor:
         """Feed `tokens` after the cache's `length` positions; float32 logits of the last `keep` of them.
         native=False runs the torch ops even where the native stack is available (tests compare the two)."""
+        return self.forward_rows([(tokens, cache, keep)], native)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, feeds: list[tuple[list[int], LeanCache, int]], native: bool = True) -> list[torch.Tensor]:
+        """Several sessions' new tokens in one forward (distinct caches): feeds are (tokens, cache, keep); each
+        gets the float32 logits of its last `keep` tokens. The products run over every row at once, attention per
+        session (natively; the torch ops loop over the sessions)."""
+        if len({id(cache) for _, cache, _ in feeds}) != len(feeds):
+            raise ValueError("forward_rows takes each session's cache once")
+        if not (native and self.native is not None):
+            return [self._forward_torch(tokens, cache, keep) for tokens, cache, keep in feeds]
+        ids, positions, row_seq, kept = [], [], [], []
+        for i, (tokens, cache, keep) in enumerate(feeds):
+            cache.reserve(cache.length + len(tokens))
+            kept.extend(range(len(ids) + len(tokens) - keep, len(ids) + len(tokens)))
+            ids.extend(tokens)
+            positions.extend(range(cache.length, cache.length + len(tokens)))
+            row_seq.extend([i] * len(tokens))
+        t = len(ids)
+        x = self.embed(torch.tensor(ids, dtype=torch.long)).float().contiguous()  # [t, hidden]
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = self.rotary(x.unsqueeze(0), pos.unsqueeze(0))  # [1, t, head_dim]
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        seq = torch.tensor(row_seq, dtype=torch.long)
+        buffers = (_KvBuffer * len(feeds))(*[_KvBuffer(c.keys.data_ptr(), c.values.data_ptr(), c.keys.shape[2])
+                                             for _, c, _ in feeds])
+        status = self.native(ctypes.byref(self._dims), self._layers, x.data_ptr(), t, buffers, len(feeds),
+                             seq.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if status:
+            raise RuntimeError(f"native int8 decoder stack failed ({status})")
+        for tokens, cache, _ in feeds:
+            cache.length += len(tokens)
+        logits = self.head(_rms_norm(x[kept], self.final_norm, self.eps))
+        return list(logits.split([keep for _, _, keep in feeds]))
+
+    @torch.inference_mode()
+    def _forward_torch(self, tokens: list[int], cache: LeanCache, keep: int) -> torch.Tensor:
+        """The same forward as torch ops, one session (the fallback and the native stack's reference)."""
         t, past = len(tokens), cache.length
         cache.reserve(past + t)
         x = self.embed(torch.tensor(tokens, dtype=torch.long)).float().contiguous()  # [t, hidden]
         pos = torch.arange(past, past + t).unsqueeze(0)
         cos, sin = self.rotary(x.unsqueeze(0), pos)  # [1, t, head_dim]
-        if native and self.native is not None:
-            cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-            status = self.native(ctypes.byref(self._dims), self._layers, x.data_ptr(), t, past, cos.data_ptr(),
-                                 sin.data_ptr(), cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.shape[2])
-            if status:
-                raise RuntimeError(f"native int8 decoder stack failed ({status})")
-            cache.length = past + t
-            return self.head(_rms_norm(x[t - keep :], self.final_norm, self.eps))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [t, 1, head_dim]
         half = self.head_dim // 2
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -229,11 +263,19 @@ class LeanLlama(torch.nn.Module):
 
 class LeanCachedLM(CachedLM):
     """CachedLM over a LeanLlama: the same session protocol (sync, crop, extend, release), a LeanCache per
-    session."""
+    session. With batch_rows > 0 (and the native stack) concurrent sessions' extends share forwards
+    (draft_service/draft_batcher.py), a long feed in chunks of batch_rows rows."""
 
-    def __init__(self, loaded: LoadedModel, store: SessionCacheStore, lean: LeanLlama):
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore, lean: LeanLlama, batch_rows: int = 0,
+                 batch_wait_ms: float = 2.0):
         super().__init__(loaded, store)
         self.lean = lean
+        self.batcher = None
+        if batch_rows > 0 and lean.native is not None:
+            self.batcher = DraftStepBatcher(lean.forward_rows, max_rows=batch_rows, wait_ms=batch_wait_ms)
+
+    def proposing(self, session_id: str):
+        return self.batcher.member(session_id) if self.batcher is not None else super().proposing(session_id)
 
     def crop(self, sess: SessionKV, length: int) -> None:
         if sess.cache is not None and length < len(sess.tokens):
@@ -246,7 +288,14 @@ class LeanCachedLM(CachedLM):
             sess.cache = self.lean.new_cache()
         keep = keep if 0 < keep < len(new_tokens) else len(new_tokens)
         try:
-            logits = self.lean(new_tokens, sess.cache, keep)
+            if self.batcher is None:
+                logits = self.lean(new_tokens, sess.cache, keep)
+            else:
+                rows = self.batcher.max_rows
+                for start in range(0, len(new_tokens), rows):  # a long feed in chunks: others' steps join each
+                    chunk = new_tokens[start : start + rows]
+                    last = start + rows >= len(new_tokens)
+                    logits = self.batcher.run(sess.session_id, (chunk, sess.cache, keep if last else 0), len(chunk))
         except BaseException:
             sess.cache.length = len(sess.tokens)  # layers before the failure wrote past the valid length
             raise
@@ -254,9 +303,10 @@ class LeanCachedLM(CachedLM):
         return logits[:, : self.loaded.vocab_size]
 
 
-def int8_draft(loaded: LoadedModel, store: SessionCacheStore) -> CachedLM:
+def int8_draft(loaded: LoadedModel, store: SessionCacheStore, batch_rows: int = 0) -> CachedLM:
     """The int8 draft runtime for a loaded (float, unpacked) model: the lean forward where it applies, else the
-    transformers forward over Int8Linear layers. Frees the float linear weights the lean model replaced."""
+    transformers forward over Int8Linear layers. Frees the float linear weights the lean model replaced.
+    batch_rows > 0: concurrent sessions' draft steps share forwards of up to that many rows (lean forward only)."""
     if loaded.model.device.type != "cpu":
         raise ValueError("--quantize int8 runs on the CPU (the int8 kernel is AVX2 C++)")
     if cpu_kernels.native_gemm() is None:
@@ -267,7 +317,7 @@ def int8_draft(loaded: LoadedModel, store: SessionCacheStore) -> CachedLM:
         for layer in loaded.model.model.layers:  # the float copies are no longer needed
             layer.self_attn = layer.mlp = None
         log.info("int8 draft: lean forward", extra={"layers": len(lean.layers)})
-        return LeanCachedLM(loaded, store, lean)
+        return LeanCachedLM(loaded, store, lean, batch_rows=batch_rows)
     replaced = cpu_kernels.quantize_linears(loaded.model, min_elements=0)  # every layer, as the lean forward
     loaded.ragged_batch = False
     log.info("int8 draft: transformers forward (%s)", why, extra={"int8_layers": replaced})

@@ -100,10 +100,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return self.info
 
 
+DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (8 sessions' steps, or a prefill chunk with them)
+
+
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
                    max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
                    hybrid_model_max_len: int = 2, draft_vocab: int = 0,
-                   datastore: str = "none", quantize: str = "none") -> tuple[Proposer, common_pb2.ModelInfo]:
+                   datastore: str = "none", quantize: str = "none",
+                   batch_rows: int = DEFAULT_BATCH_ROWS) -> tuple[Proposer, common_pb2.ModelInfo]:
     from specdec.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer
 
@@ -130,7 +134,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     if quantize == "int8":
         from draft_service.int8_draft import int8_draft
 
-        lm = int8_draft(loaded, store)  # the full vocabulary: its head is the target's, in int8
+        lm = int8_draft(loaded, store, batch_rows=batch_rows)  # the full vocabulary: its head is the target's, in int8
         info.model_name = f"{loaded.name}[int8]"
         info.dtype = "int8"
     elif limit_draft_vocab(loaded, draft_vocab):
@@ -217,6 +221,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["none", "int8"], default="none",
                    help="int8: weight-only int8 copy of --model (CPU; the way to draft with the target's own weights: "
                         "draft_service/int8_draft.py)")
+    p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
+                   help="int8 draft: concurrent sessions' draft steps share one forward of up to this many rows, a "
+                        "prompt is fed in chunks of this size (0: every session's step runs alone; "
+                        "draft_service/draft_batcher.py)")
     p.add_argument("--hybrid-model-max-len", type=int, default=2,
                    help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
     p.add_argument("--datastore", default="auto",
@@ -246,7 +254,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
-                                    args.draft_vocab, args.datastore, args.quantize)
+                                    args.draft_vocab, args.datastore, args.quantize, args.batch_rows)
     server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):

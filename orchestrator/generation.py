@@ -193,8 +193,12 @@ class Generation:
         if self.target_step.ms == 0:  # nothing measured yet
             return first_call / 1e3
         step = self.target_step.ms
-        factor = self.cfg.draft_timeout_factor
         sessions = self._sessions()
+        if self.target_cost is not None and self.target_cost.forward_ms:
+            # Under load a target-only token waits for a forward batched with the other sessions' blocks: the
+            # Decode-measured step (rare while speculating, maybe from a quieter time) understates it.
+            step = max(step, self.target_cost.step_ms(1, self.target_cost.rows()))
+        factor = self.cfg.draft_timeout_factor
         if self.draft_cost.token_ms.value is None and self.rec.draft_pos > 0:  # a fresh orchestrator
             return max(first_call, factor * step) / 1e3
         budget = factor * max(step, k * min(step, self.draft_cost.per_token(sessions)))
@@ -283,7 +287,13 @@ class Generation:
         stats["draft_failures"] += 1
         stats["draft_failures_by_kind"][kind] = stats["draft_failures_by_kind"].get(kind, 0) + 1
         replica.breaker.failure()
-        self.rec.draft_pos = 0  # the replica's state is unknown now; resync on the next call
+        if kind != "timeout" or not _stoppable(replica):
+            # The replica's state is unknown now: resync from token 0 on the next call. A model draft's timed-out
+            # call leaves its session consistent (it stops, and does not touch the session once its caller is
+            # gone; the next call crops it to what is committed; a draft that lost it answers with a cache miss
+            # and the client resends): re-prefilling the whole context after every late block would only load a
+            # busy draft further.
+            self.rec.draft_pos = 0
         metrics.record_draft_failure(kind)
         log.warning("draft failed; decoding target-only", extra={
             "session_id": self.rec.session_id, "replica": replica.address, "kind": kind, "detail": detail})
@@ -380,6 +390,7 @@ class Generation:
             return tree_step(self, remaining)
         replica = self._pick_replica()
         if replica is not None:
+            self.draft_len.pipelined = self._pipelines(replica)
             ask = min(self.draft_len.request_len(k), remaining - 1)  # more than k: a scored draft is trimmed
             reply, failed = self._take_prefetched(replica, ask)
             if reply is None:
@@ -434,6 +445,10 @@ class Generation:
         self.rec.stats["pipeline_hits"] += 1
         reply.tokens, reply.probs, reply.scores = reply.tokens[:k], reply.probs[:k], reply.scores[:k]
         return reply, False
+
+    def _pipelines(self, replica) -> bool:
+        """Whether blocks for this replica are prefetched (as a rule; auto also weighs the full-block rate)."""
+        return self.cfg.pipeline == "on" or (self.cfg.pipeline == "auto" and _stoppable(replica))
 
     def _prefetch_pays(self, replica) -> bool:
         """auto: a prefetch saves one Propose round trip when the block is fully accepted, and costs about one

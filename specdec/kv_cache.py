@@ -7,6 +7,7 @@ the service already holds is never recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -170,6 +171,10 @@ class CachedLM:
         sess.cache = out.cache
         sess.tokens.extend(new_tokens)
         return out.logits[0, :, : self.loaded.vocab_size].float()
+
+    def proposing(self, session_id: str):
+        """Context of one proposal's run of extends (a batching runtime waits for its next step)."""
+        return contextlib.nullcontext()
 
     def release(self, session_id: str) -> bool:
         return self.store.release(session_id)

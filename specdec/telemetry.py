@@ -307,6 +307,10 @@ def _init_instruments() -> None:
         i["draft_latency"] = m.create_histogram(
             "specdec.draft.duration", unit="s", description="draft propose time inside the draft service",
             explicit_bucket_boundaries_advisory=_LATENCY_S)
+        i["draft_batch_steps"] = m.create_histogram(
+            "specdec.draft.batch_steps", unit="{session}",
+            description="sessions' draft steps run in one batched draft forward (draft_service/draft_batcher.py)",
+            explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 6, 8, 12, 16])
         # orchestrator
         i["fallback_steps"] = m.create_counter(
             "specdec.fallback.steps", unit="{step}", description="target-only steps taken because the draft failed")
@@ -366,6 +370,11 @@ def record_verify(proposed: int, accepted: int, ms: float) -> None:
 def record_batch(rows: int) -> None:
     """One batched target forward over ``rows`` sessions' jobs."""
     _instrument("batch_rows").record(rows)
+
+
+def record_draft_batch(steps: int) -> None:
+    """One batched draft forward over ``steps`` sessions' steps."""
+    _instrument("draft_batch_steps").record(steps)
 
 
 def record_draft(ms: float) -> None:

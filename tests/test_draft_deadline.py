@@ -37,3 +37,22 @@ def test_first_call_deadline_follows_the_measured_prefill_rate():
     budget = 2 * max(50.0, 4 * 15.0)
     expect = max(budget * (1 + 300 / 128), budget + 2 * 300 * cost.prefill_token_ms.value) / 1e3
     assert abs(_gen(50.0, 300, 0, cost)._draft_timeout_s(4) - expect) < 1e-9  # twice the context: about twice
+
+
+def test_under_load_the_deadline_allows_what_a_target_only_token_costs_now():
+    """A target-only token waits for a forward batched with the other sessions' blocks: a draft token is no help
+    only when it is slower than that, not than a lone Decode step measured at a quiet time."""
+    from orchestrator.draft_length import TargetCost
+
+    cost = DraftCost()
+    cost.observe(wall_ms=2002.0, draft_ms=2000.0, tokens=8, sessions=8)  # 250 ms a token per call, 8 sessions
+    gen = _gen(50.0, 200, 190, cost)
+    gen.active_sessions = lambda: 8
+    assert abs(gen._draft_timeout_s(8) - 2 * 8 * 50 / 1e3) < 1e-9  # capped at the quiet 50 ms step
+    prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]
+    gen.target_cost = TargetCost(prof, max_batch=16, sessions=lambda: 8)
+    for _ in range(30):
+        gen.target_cost.observe(7, server_ms=gen.target_cost.forward(56))
+    step = gen.target_cost.step_ms(1, 8)
+    assert step > 200.0
+    assert abs(gen._draft_timeout_s(8) - 2 * 8 * min(step, 250.0) / 1e3) < 1e-9

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from orchestrator.draft_length import AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost, make_draft_length
+from orchestrator.draft_length import (AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost,
+                                      expected_accepted_length, make_draft_length)
 
 FLAT_TO_6 = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # a CPU-like profile
 
@@ -250,3 +251,40 @@ def test_draft_cost_measured_under_load_is_kept_per_session():
     for d in (busy, alone):
         d.own.successes, d.own.failures = 30.0, 1.0
     assert alone.best() > 0 and busy.best() < alone.best()
+
+
+def test_a_session_decoding_target_only_still_waits_for_the_other_sessions_blocks():
+    """Under load a paused session's single token rides in a forward over the others' blocks: costing it as n
+    single tokens made target-only look cheap, and paused sessions got one token per long batched forward."""
+    prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]
+    cost = TargetCost(prof, max_batch=16, sessions=lambda: 8)
+    assert cost.step_ms(1, rows=8) == pytest.approx(cost.forward(8))  # nothing observed: all rows alike
+    for _ in range(30):
+        cost.observe(7, server_ms=cost.forward(8 * 7))  # the target's calls carry blocks of 7 tokens
+    assert cost.block.value == pytest.approx(7.0)
+    assert cost.load.value == pytest.approx(1.0, rel=0.01)  # observed as it was profiled: a forward over 7 * 8
+    assert cost.step_ms(1, rows=8) == pytest.approx(cost.forward(1 + 7 * 7), rel=0.01)
+    assert cost.step_ms(7, rows=8) == pytest.approx(cost.forward(8 * 7), rel=0.01)
+    busy = GoodputDraftLength(16, cost)
+    busy.own.successes, busy.own.failures = 30.0, 1.0
+    assert busy.best() > 0  # its own block adds little to a forward the others fill anyway
+
+
+def test_goodput_counts_the_drafting_a_prefetch_hides():
+    """Pipelined, the next block is drafted while this one is verified: when the block is wholly accepted that
+    drafting cost nothing, so a draft as slow as the target still pays."""
+    from orchestrator.draft_length import DraftCost
+
+    draft = DraftCost()
+    draft.observe(wall_ms=242.0, draft_ms=240.0, tokens=4)  # 60 ms a token: as slow as a target step
+    serial = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=draft)
+    piped = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=draft)
+    piped.pipelined = True
+    for d in (serial, piped):
+        d.own.successes, d.own.failures = 60.0, 1.0
+    a = serial.alpha
+    expected = expected_accepted_length(a, 4)
+    assert serial.tokens_per_ms(4) == pytest.approx(expected / (FLAT_TO_6[4] + 2.0 + 4 * 60.0))
+    saved = a ** 5 * min(4 * 60.0, FLAT_TO_6[4])  # block and bonus guess accepted: the verify's length hidden
+    assert piped.tokens_per_ms(4) == pytest.approx(expected / (FLAT_TO_6[4] + 2.0 + 4 * 60.0 - saved))
+    assert piped.best() > serial.best()

@@ -61,27 +61,28 @@ class ModelProposer(Proposer):
         with sess.lock:
             if should_stop is not None and should_stop():
                 return Proposal([], None, len(sess.tokens))
-            new = self.lm.sync(sess, prefix_len, delta)
-            gen = None if params.is_greedy else sampling.make_generator(seed, step, "draft")
-            tokens: list[int] = []
-            rows: list[torch.Tensor] = []
-            for _ in range(max_len):
-                logits = self.lm.extend(sess, new, keep=1)[-1]
-                if params.is_greedy:
-                    token = int(torch.argmax(logits))
-                    confidence = float(torch.softmax(logits, -1)[token])
-                else:
-                    # Sample from the float16-rounded q that goes on the wire, so the verifier sees the same q.
-                    q16, q = wire.to_fp16_distribution(sampling.warp_probs(logits, params))
-                    token = int(sampling.sample(q, gen))
-                    confidence = float(q[token])
-                    rows.append(q16)
-                tokens.append(token)
-                new = [token]
-                if min_confidence > 0 and confidence < min_confidence:
-                    break
-                if should_stop is not None and should_stop():
-                    break
+            with self.lm.proposing(session_id):  # a batching runtime lets the other sessions' steps wait for ours
+                new = self.lm.sync(sess, prefix_len, delta)
+                gen = None if params.is_greedy else sampling.make_generator(seed, step, "draft")
+                tokens: list[int] = []
+                rows: list[torch.Tensor] = []
+                for _ in range(max_len):
+                    logits = self.lm.extend(sess, new, keep=1)[-1]
+                    if params.is_greedy:
+                        token = int(torch.argmax(logits))
+                        confidence = float(torch.softmax(logits, -1)[token])
+                    else:
+                        # Sample from the float16-rounded q that goes on the wire, so the verifier sees the same q.
+                        q16, q = wire.to_fp16_distribution(sampling.warp_probs(logits, params))
+                        token = int(sampling.sample(q, gen))
+                        confidence = float(q[token])
+                        rows.append(q16)
+                    tokens.append(token)
+                    new = [token]
+                    if min_confidence > 0 and confidence < min_confidence:
+                        break
+                    if should_stop is not None and should_stop():
+                        break
             self.store.update_size(sess)
             probs = torch.stack(rows) if rows else None
             return Proposal(tokens, probs, len(sess.tokens))

@@ -2,9 +2,12 @@
 // draft's forward (draft_service/int8_draft.py) without Python between its ~40 small operations per layer, which
 // cost as much as the int8 products themselves there (~13 of ~28 ms a token for SmolLM2's 30 layers).
 //
-// In: the rows' embeddings; out: the residual stream after the last layer (the final norm and the LM head stay in
-// Python). Keys and values go into the session's buffer [layers, kv_heads, capacity, head_dim] at positions
-// past .. past + T - 1; row t attends to positions 0 .. past + t.
+// The rows may belong to several sessions (a batched draft step, draft_service/draft_batcher.py): every product
+// runs over all rows at once, attention per row against its own session's buffer. In: the rows' embeddings; out:
+// the residual stream after the last layer (the final norm and the LM head stay in Python). Row t belongs to
+// session row_seq[t] at position row_pos[t]: its key and value go into that session's buffer
+// [layers, kv_heads, capacity, head_dim] there, and it attends to positions 0 .. row_pos[t] of that buffer (a
+// session's rows come in position order, so its earlier new rows are written before they are read).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +37,12 @@ struct SpecdecLlamaLayer {
 struct SpecdecLlamaDims {
   long hidden, heads, kv_heads, head_dim, intermediate, layers;
   float eps;
+};
+
+struct SpecdecKvBuffer {
+  float* keys;    // [layers, kv_heads, capacity, head_dim]
+  float* values;  // same
+  long capacity;
 };
 
 }  // extern "C"
@@ -81,14 +90,19 @@ int gemm(const SpecdecInt8Matrix& m, const float* x, float* y, long rows) {
 
 extern "C" {
 
-int specdec_int8_llama_version() { return 1; }
+int specdec_int8_llama_version() { return 2; }
 
-// Returns 0; -1 on bad dimensions; -2 when out of memory.
-int specdec_int8_llama_forward(const SpecdecLlamaDims* d, const SpecdecLlamaLayer* layers, float* x, long T,
-                               long past, const float* cos, const float* sin, float* keys, float* values,
-                               long capacity) {
+// Returns 0; -1 on bad dimensions or a row outside its session's buffer; -2 when out of memory.
+int specdec_int8_llama_forward_rows(const SpecdecLlamaDims* d, const SpecdecLlamaLayer* layers, float* x, long T,
+                                    const SpecdecKvBuffer* seqs, long nseq, const long* row_seq,
+                                    const long* row_pos, const float* cos, const float* sin) {
   const long H = d->hidden, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, I = d->intermediate;
-  if (T < 1 || past < 0 || past + T > capacity || nkv < 1 || nh % nkv || hd % 2) return -1;
+  if (T < 1 || nseq < 1 || nkv < 1 || nh % nkv || hd % 2) return -1;
+  long longest = 0;
+  for (long t = 0; t < T; t++) {
+    if (row_seq[t] < 0 || row_seq[t] >= nseq || row_pos[t] < 0 || row_pos[t] >= seqs[row_seq[t]].capacity) return -1;
+    longest = row_pos[t] + 1 > longest ? row_pos[t] + 1 : longest;
+  }
   const long nq = nh * hd, nk = nkv * hd, width = nq + 2 * nk, group = nh / nkv;
   const float scale = 1.f / sqrtf((float)hd);
   float* h = (float*)malloc(sizeof(float) * T * H);
@@ -97,25 +111,31 @@ int specdec_int8_llama_forward(const SpecdecLlamaDims* d, const SpecdecLlamaLaye
   float* gu = (float*)malloc(sizeof(float) * T * 2 * I);
   float* act = (float*)malloc(sizeof(float) * T * I);
   float* out = (float*)malloc(sizeof(float) * T * H);
-  float* score = (float*)malloc(sizeof(float) * (past + T));
+  float* score = (float*)malloc(sizeof(float) * longest);
   int status = (h && qkv && att && gu && act && out && score) ? 0 : -2;
   for (long l = 0; l < d->layers && status == 0; l++) {
     const SpecdecLlamaLayer& L = layers[l];
     for (long t = 0; t < T; t++) rms_norm(x + t * H, L.input_norm, h + t * H, H, d->eps);
     if ((status = gemm(L.qkv, h, qkv, T))) break;
-    float* lk = keys + l * nkv * capacity * hd;
-    float* lv = values + l * nkv * capacity * hd;
     for (long t = 0; t < T; t++) {
+      const SpecdecKvBuffer& kv = seqs[row_seq[t]];
+      const long capacity = kv.capacity, p = row_pos[t];
+      float* lk = kv.keys + l * nkv * capacity * hd;
+      float* lv = kv.values + l * nkv * capacity * hd;
       float* row = qkv + t * width;
       for (long a = 0; a < nh + nkv; a++) rotate(row + a * hd, cos + t * hd, sin + t * hd, hd);
       for (long g = 0; g < nkv; g++)
         for (long j = 0; j < hd; j++) {
-          lk[(g * capacity + past + t) * hd + j] = row[nq + g * hd + j];
-          lv[(g * capacity + past + t) * hd + j] = row[nq + nk + g * hd + j];
+          lk[(g * capacity + p) * hd + j] = row[nq + g * hd + j];
+          lv[(g * capacity + p) * hd + j] = row[nq + nk + g * hd + j];
         }
     }
     for (long t = 0; t < T; t++) {
-      const long n = past + t + 1;  // causal: this row sees the cache and the rows before it
+      const SpecdecKvBuffer& kv = seqs[row_seq[t]];
+      const long capacity = kv.capacity;
+      const float* lk = kv.keys + l * nkv * capacity * hd;
+      const float* lv = kv.values + l * nkv * capacity * hd;
+      const long n = row_pos[t] + 1;  // causal: this row sees its session's cache and its rows before it
       for (long a = 0; a < nh; a++) {
         const float* q = qkv + t * width + a * hd;
         const float* kh = lk + (a / group) * capacity * hd;
