@@ -5,6 +5,13 @@ from __future__ import annotations
 import pathlib
 
 
+def cpu_label(busy: dict | None) -> str:
+    if not busy:
+        return "n/a"
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])) + \
+        f" (total {sum(busy.values()):.2f})"
+
+
 def batch_label(row: dict) -> str:
     """The batching target's flags, as a sessions row records them."""
     label = f"--batch-window-ms {row['batch_window_ms']:g}"
@@ -123,20 +130,25 @@ def markdown(res: dict) -> str:
                   + ", ".join(res['settings']['session_prompts']) + " and are drained by N client threads "
                   "(closed loop); aggregate tokens/s = all tokens / wall time of the whole batch.", "",
                   "| sweep | sessions | aggregate tokens/s | vs 1 session | mean per-session tokens/s | accept rate | "
-                  "target verify ms/step | steps target-only by load switch |", "|---|---|---|---|---|---|---|---|"]
+                  "target verify ms/step | steps target-only by load switch | CPU cores busy |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in sess:
             if not r.get("available"):
-                lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | | |")
+                lines.append(f"| {r['sweep']} | not available: {r.get('reason', '')} | | | | | | | |")
                 continue
             lines.append(f"| {r['sweep']}{' (' + batch_label(r) + ')' if r.get('batched_verification') else ''} "
                          f"| {r['sessions']} | {_f(r['tokens_per_s'])} | {_f(r['throughput_vs_1_session'])} | "
                          f"{_f(r['mean_session_tokens_per_s'])} | {_f(r.get('acceptance_rate'))} | "
-                         f"{_f(r.get('target_verify_ms_per_step'), 1)} | {_f(r.get('load_shed_step_fraction'))} |")
+                         f"{_f(r.get('target_verify_ms_per_step'), 1)} | {_f(r.get('load_shed_step_fraction'))} | "
+                         f"{cpu_label(r.get('cpu_cores_busy'))} |")
         seen = {}
         for r in sess:
             if r.get("available") and r["sweep"] not in seen:
                 seen[r["sweep"]] = " ".join(r.get("orchestrator_flags") or [])
         lines += [""] + [f"- {sweep} orchestrator: `{flags}`" for sweep, flags in seen.items()]
+        lines.append("- CPU cores busy: CPU seconds (user + system, all threads) each process used during the level, "
+                     "over its wall time (the machine has " + str(res["machine"]["cpus"]) + "); the clients are "
+                     "the benchmark process itself")
     mb, ov = res["microbench"], res["overheads"]
     lines += ["", "## Per-step costs", "",
               f"- target decode step (1 token, in-process): {_f(mb['target_step_ms'], 1)} ms; draft step: "

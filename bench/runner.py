@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from bench import analysis
-from bench.report import batch_label
+from bench.report import batch_label, cpu_label
 from bench.prompts import Prompt, encode, select
 
 log = logging.getLogger("bench")
@@ -632,7 +632,10 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
 
 def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tuple[float, list[Sample]]]],
                        batched: bool, head_cfg: Config, orchestrator_flags: list[str],
-                       batch_window_ms: float | None, batch_wait_fraction: float | None = None) -> list[dict]:
+                       batch_window_ms: float | None, batch_wait_fraction: float | None = None,
+                       cpu: dict[int, list[dict[str, float]]] | None = None) -> list[dict]:
+    """cpu: per session count, the CPU seconds each process used in each run: reported as busy cores (CPU
+    seconds / wall seconds), the processes that did work."""
     rows = []
     base = None
     for n in sorted(levels):
@@ -664,6 +667,11 @@ def summarise_sessions(name: str, address_kind: str, levels: dict[int, list[tupl
                "load_shed_step_fraction": (st["load_shed_steps"] / (st["decode_steps"] + st["verify_steps"])
                                            if st["decode_steps"] + st["verify_steps"] else None),
                "service_stats": st}
+        used: dict[str, float] = {}
+        for d in (cpu or {}).get(n, []):
+            for k, v in d.items():
+                used[k] = used.get(k, 0.0) + v
+        row["cpu_cores_busy"] = {k: v / wall for k, v in sorted(used.items()) if wall and v / wall >= 0.01} or None
         rows.append(row)
     return rows
 
@@ -764,8 +772,23 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 f"{_fmt(r8.get('target_verify_ms_per_step'))} ms ({_fmt(ratio_or_none(r8, r1))}x for "
                 f"{r8.get('sessions')}x the sessions); {_fmt(100 * (r8.get('plain_decode_step_fraction') or 0), 0)}% of "
                 "the steps were target-only Decode calls (nothing drafted, speculation paused by the goodput draft "
-                "length or shed by the load switch; the target batches their single-token steps too)")
+                "length or shed by the load switch; the target batches their single-token steps too)"
+                + _cpu_why(r1, r8, res["machine"]["cpus"]))
     return ""
+
+
+def _cpu_why(r1: dict, r8: dict, cpus: int) -> str:
+    """How much of the machine one session already keeps busy: concurrency cannot add more than the rest."""
+    b1, b8 = r1.get("cpu_cores_busy"), r8.get("cpu_cores_busy")
+    if not b1 or not b8:
+        return ""
+    t1, t8 = sum(b1.values()), sum(b8.values())
+    return (f"; CPU: at 1 session the processes kept {t1:.2f} of the {cpus} cores busy ({cpu_label(b1)}), at "
+            f"{r8.get('sessions')} sessions {t8:.2f} ({cpu_label(b8)}): one speculative session already uses "
+            f"{100 * t1 / cpus:.0f}% of the machine (its draft computes while the target verifies), so more sessions "
+            f"can only make each core's work cheaper per token (batched forwards), not add cores; the aggregate grew "
+            f"{_fmt(analysis.ratio(r8.get('tokens_per_s'), r1.get('tokens_per_s')))}x on "
+            f"{_fmt(t8 / t1 if t1 else None)}x the CPU")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -907,6 +930,7 @@ def run(args: argparse.Namespace) -> dict:
         for name, addr, is_batched, tkind in sweeps:
             clients = [SpecdecClient(addr) for _ in range(n_max)]
             levels: dict[int, list] = {n: [] for n in args.sessions}
+            cpu: dict[int, list[dict[str, float]]] = {n: [] for n in args.sessions}  # CPU seconds per process
             g = head_cfg.draft_len or 0
             try:
                 progress.set_postfix_str(f"warm-up {name}")
@@ -916,16 +940,19 @@ def run(args: argparse.Namespace) -> dict:
                     order = args.sessions if r % 2 == 0 else list(reversed(args.sessions))
                     for n in order:
                         progress.set_postfix_str(f"round {r + 1} {name} x{n}")
+                        cpu0 = services.cpu_seconds()
                         wall, samples = run_sessions_level(n, jobs_for(n), args.max_new_tokens, clients, g)
+                        cpu1 = services.cpu_seconds()
                         for s in samples:
                             s.round = r
                         levels[n].append((wall, samples))
+                        cpu[n].append({k: cpu1[k] - cpu0[k] for k in cpu1 if k in cpu0})
                         progress.update(1)
                 session_rows += summarise_sessions(name, tkind, levels, is_batched, head_cfg,
                                                    services.orchestrator_flags(extra if is_batched
                                                                                else head_cfg.orchestrator_extra),
                                                    args.batch_window_ms if is_batched else None,
-                                                   args.batch_wait_fraction if is_batched else None)
+                                                   args.batch_wait_fraction if is_batched else None, cpu)
             except Exception as e:  # noqa: BLE001
                 log.error("%s failed: %s", name, e)
                 session_rows.append({"name": name, "kind": "sessions", "sweep": name, "available": False,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import tempfile
 from dataclasses import dataclass, field
@@ -154,6 +155,20 @@ class BenchServices:
 
     def start(self, timeout: float = 600.0) -> "BenchServices":
         return self.launch().wait(timeout)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, all threads) each service process and this process (the clients) have used."""
+        out = {"bench clients": sum(os.times()[:2])}
+        tick = os.sysconf("SC_CLK_TCK")
+        for name, p in self.procs.items():
+            if p.proc is None:
+                continue
+            try:
+                fields = pathlib.Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # not Linux, or it exited
+                continue
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        return out
 
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):

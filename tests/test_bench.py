@@ -145,6 +145,9 @@ def test_bench_ratios_come_from_the_measured_tokens_per_second(bench_run):
     assert set(by_n) == {1, 8}
     for r in rows:
         assert r["tokens"] > 0 and close(r["tokens_per_s"], r["tokens"] / r["wall_s"])
+        busy = r["cpu_cores_busy"]  # measured from /proc: the batching target did the work, not the other one
+        assert busy["target-batched"] > max(0.05, busy.get("target", 0.0))
+        assert sum(busy.values()) <= res["machine"]["cpus"] + 0.5
     assert close(res["throughput_8_sessions_vs_1"], by_n[8]["tokens_per_s"] / by_n[1]["tokens_per_s"])
     for key, thr, _ in TARGETS:
         t = res["targets"][key]
