@@ -5,11 +5,12 @@ from __future__ import annotations
 import pathlib
 
 
-def cpu_label(busy: dict | None) -> str:
+def cpu_label(busy: dict | None, total: bool = True) -> str:
+    """Busy cores per process, busiest first."""
     if not busy:
         return "n/a"
-    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])) + \
-        f" (total {sum(busy.values()):.2f})"
+    label = ", ".join(f"{k} {v:.2f}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1]))
+    return label + (f" (total {sum(busy.values()):.2f})" if total else "")
 
 
 def batch_label(row: dict) -> str:

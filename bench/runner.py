@@ -783,8 +783,9 @@ def _cpu_why(r1: dict, r8: dict, cpus: int) -> str:
     if not b1 or not b8:
         return ""
     t1, t8 = sum(b1.values()), sum(b8.values())
-    return (f"; CPU: at 1 session the processes kept {t1:.2f} of the {cpus} cores busy ({cpu_label(b1)}), at "
-            f"{r8.get('sessions')} sessions {t8:.2f} ({cpu_label(b8)}): one speculative session already uses "
+    return (f"; CPU: at 1 session the processes kept {t1:.2f} of the {cpus} cores busy "
+            f"({cpu_label(b1, total=False)}), at {r8.get('sessions')} sessions {t8:.2f} "
+            f"({cpu_label(b8, total=False)}): one speculative session already uses "
             f"{100 * t1 / cpus:.0f}% of the machine (its draft computes while the target verifies), so more sessions "
             f"can only make each core's work cheaper per token (batched forwards), not add cores; the aggregate grew "
             f"{_fmt(analysis.ratio(r8.get('tokens_per_s'), r1.get('tokens_per_s')))}x on "

@@ -245,6 +245,8 @@ class Generation:
                                                self.cfg.draft_min_confidence)
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
+            if kind == "timeout":
+                self.draft_cost.timed_out(prefill=prefilled or catching_up)
             self._draft_failed(replica, kind, e.details())
             return None, True
         if (len(reply.tokens) > k or any(t >= self.vocab_size for t in reply.tokens)
@@ -287,7 +289,7 @@ class Generation:
         stats["draft_failures"] += 1
         stats["draft_failures_by_kind"][kind] = stats["draft_failures_by_kind"].get(kind, 0) + 1
         replica.breaker.failure()
-        if kind != "timeout" or not _stoppable(replica):
+        if kind not in ("timeout", "prefetch_deadline_exceeded") or not _stoppable(replica):
             # The replica's state is unknown now: resync from token 0 on the next call. A model draft's timed-out
             # call leaves its session consistent (it stops, and does not touch the session once its caller is
             # gone; the next call crops it to what is committed; a draft that lost it answers with a cache miss
@@ -459,18 +461,21 @@ class Generation:
                 and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms)
 
     def _start_prefetch(self, replica, reply, k: int):
-        """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more)."""
+        """Assume the whole block is accepted and ask the draft for (its guess of the bonus token + k more; k - 1
+        more at the longest draft length, which goodput picks for a draft this good: skipping the prefetch
+        there would stop pipelining exactly when blocks are accepted whole)."""
         if self.cfg.pipeline == "off" or (self.cfg.pipeline == "auto" and not self._prefetch_pays(replica)):
+            return None
+        n = min(k + 1, self.cfg.max_draft_len)
+        if n < 2:
             return None
         rec = self.rec
         ctx = len(rec.committed)
         held = reply.cached_len  # the draft holds ctx + the drafts it fed itself, or less (a lagging hybrid)
         delta = reply.tokens[held - ctx:] if held >= ctx else rec.committed[held:] + reply.tokens
-        if k + 1 > self.cfg.max_draft_len:
-            return None
         rec.stats["pipeline_prefetches"] += 1
-        return replica.client.propose_async(rec.session_id, held, delta, k + 1, self.params, self.seed,
-                                            rec.step + 1, self._draft_timeout_s(k + 1) + 1.0)
+        return replica.client.propose_async(rec.session_id, held, delta, n, self.params, self.seed,
+                                            rec.step + 1, self._draft_timeout_s(n) + 1.0)
 
     def _finish_prefetch(self, future, replica, reply, new: list[int]) -> None:
         full = len(new) == len(reply.tokens) + 1

@@ -56,3 +56,20 @@ def test_under_load_the_deadline_allows_what_a_target_only_token_costs_now():
     step = gen.target_cost.step_ms(1, 8)
     assert step > 200.0
     assert abs(gen._draft_timeout_s(8) - 2 * 8 * min(step, 250.0) / 1e3) < 1e-9
+
+
+def test_a_timeout_lengthens_the_next_deadline_up_to_the_cap():
+    """A cost learned under other load (here: a prefill rate far too low for a lone session) must not time out
+    every later call: each timeout doubles the estimate that set the deadline."""
+    cost = DraftCost()
+    cost.observe(wall_ms=42.0, draft_ms=40.0, tokens=4)  # 10 ms a token
+    cost.observe_prefill(draft_ms=140.0, context_tokens=100, tokens=4)  # 1 ms per context token: too cheap
+    first = _gen(50.0, 300, 0, cost)._draft_timeout_s(4)
+    cost.timed_out(prefill=True)
+    assert cost.prefill_token_ms.value == 2.0 and cost.token_ms.value == 20.0
+    assert _gen(50.0, 300, 0, cost)._draft_timeout_s(4) > first
+    for _ in range(20):
+        cost.timed_out(prefill=False)  # a draft that never answers: per-token capped at one target step
+    assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(4) - 2 * 4 * 50 / 1e3) < 1e-9
+    cost.observe(wall_ms=42.0, draft_ms=40.0, tokens=4)  # calls that finish pull the estimate back
+    assert cost.token_ms.value < 20.0 * 2**20

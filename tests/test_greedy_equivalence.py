@@ -87,7 +87,8 @@ def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
     from orchestrator.generation import LoopConfig
 
     # min gain 0: auto prefetches after every fully accepted block, so both modes exercise the prefetch path here.
-    cfg = LoopConfig(pipeline=mode, pipeline_min_gain_ms=0.0, draft_timeout_floor_ms=5000)
+    # k = 6 is the longest draft allowed: its prefetch asks for the bonus guess + 5.
+    cfg = LoopConfig(pipeline=mode, pipeline_min_gain_ms=0.0, draft_timeout_floor_ms=5000, max_draft_len=6)
     s = start_stack(redis_url, draft=draft, cfg=cfg)
     try:
         hits = 0
