@@ -230,17 +230,20 @@ class DraftCost:
                 rest = max(0.0, draft_ms / max(1, sessions) - tokens * self.token_ms.get(0.0))
                 self.prefill_token_ms.observe(rest / context_tokens)
 
-    def timed_out(self, prefill: bool) -> None:
-        """A call ran past the deadline these costs set: double them (the prefill rate too when the call took in
-        the context). A timed-out call is never measured, so a cost learned under other conditions (a batching
-        draft serves 8 sessions far better than 8 times slower, so normalising per session undercounts a lone
-        session's prefill) would otherwise time out every later call; the deadline's cap at a target step per
-        token bounds the growth, and the next calls that finish pull the averages back."""
+    def timed_out(self, waited_ms: float, tokens: int, context_tokens: int = 0, sessions: int = 1) -> None:
+        """A call asked for `tokens` tokens (after taking in `context_tokens` of context) and ran past its
+        deadline of waited_ms: it costs at least that, so raise the estimate that set the deadline to it (never
+        further: concurrent sessions timing out together must not compound). A timed-out call is never
+        measured, so a cost learned under other conditions (a batching draft serves 8 sessions far better than
+        8 times slower, so normalising per session undercounts a lone session's prefill) would otherwise time
+        out every later call; the calls that then finish pull the averages back."""
+        per = waited_ms / max(1, sessions)
         with self._lock:
-            if self.token_ms.value is not None:
-                self.token_ms.value *= 2
-            if prefill and self.prefill_token_ms.value is not None:
-                self.prefill_token_ms.value *= 2
+            if context_tokens > 0:
+                floor = per / (context_tokens + tokens)
+                self.prefill_token_ms.value = max(self.prefill_token_ms.get(0.0), floor)
+            else:
+                self.token_ms.value = max(self.token_ms.get(0.0), per / max(1, tokens))
 
     def per_token(self, sessions: int = 1) -> float:
         return self.token_ms.get(0.0) * max(1, sessions)

@@ -238,15 +238,16 @@ class Generation:
         prefilled = rec.draft_pos == 0
         intake = len(rec.committed) - rec.draft_pos
         catching_up = intake > self.cfg.max_draft_len + 1
+        timeout_s = self._draft_timeout_s(k)
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
-                                               self.seed, rec.step, self._draft_timeout_s(k),
-                                               self.cfg.draft_min_confidence)
+                                               self.seed, rec.step, timeout_s, self.cfg.draft_min_confidence)
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             if kind == "timeout":
-                self.draft_cost.timed_out(prefill=prefilled or catching_up)
+                self.draft_cost.timed_out(timeout_s * 1e3, k, intake if prefilled or catching_up else 0,
+                                          self._sessions())
             self._draft_failed(replica, kind, e.details())
             return None, True
         if (len(reply.tokens) > k or any(t >= self.vocab_size for t in reply.tokens)

@@ -58,18 +58,21 @@ def test_under_load_the_deadline_allows_what_a_target_only_token_costs_now():
     assert abs(gen._draft_timeout_s(8) - 2 * 8 * min(step, 250.0) / 1e3) < 1e-9
 
 
-def test_a_timeout_lengthens_the_next_deadline_up_to_the_cap():
+def test_a_timeout_lengthens_the_next_deadline_once_not_per_session():
     """A cost learned under other load (here: a prefill rate far too low for a lone session) must not time out
-    every later call: each timeout doubles the estimate that set the deadline."""
+    every later call: a timeout raises the estimate to what the call was allowed, and concurrent timeouts with
+    the same deadline do not compound."""
     cost = DraftCost()
     cost.observe(wall_ms=42.0, draft_ms=40.0, tokens=4)  # 10 ms a token
     cost.observe_prefill(draft_ms=140.0, context_tokens=100, tokens=4)  # 1 ms per context token: too cheap
     first = _gen(50.0, 300, 0, cost)._draft_timeout_s(4)
-    cost.timed_out(prefill=True)
-    assert cost.prefill_token_ms.value == 2.0 and cost.token_ms.value == 20.0
-    assert _gen(50.0, 300, 0, cost)._draft_timeout_s(4) > first
-    for _ in range(20):
-        cost.timed_out(prefill=False)  # a draft that never answers: per-token capped at one target step
-    assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(4) - 2 * 4 * 50 / 1e3) < 1e-9
+    for _ in range(8):  # eight sessions' first calls time out at once
+        cost.timed_out(first * 1e3, tokens=4, context_tokens=300)
+    assert cost.prefill_token_ms.value == first * 1e3 / 304 and cost.token_ms.value == 10.0
+    assert _gen(50.0, 300, 0, cost)._draft_timeout_s(4) > 1.5 * first
+    block = _gen(50.0, 200, 190, cost)._draft_timeout_s(4)
+    for _ in range(8):
+        cost.timed_out(block * 1e3, tokens=4)
+    assert cost.token_ms.value == block * 1e3 / 4  # twice what set the deadline, whatever the number of timeouts
     cost.observe(wall_ms=42.0, draft_ms=40.0, tokens=4)  # calls that finish pull the estimate back
-    assert cost.token_ms.value < 20.0 * 2**20
+    assert cost.token_ms.value < block * 1e3 / 4
