@@ -206,21 +206,29 @@ class DraftCost:
     """What drafting costs, shared by an orchestrator's sessions (a new session's first calls need it before they
     have measured anything): per call (the round trip beyond the draft's own time), per drafted token, and per
     context token a draft takes in on a session's first call (its prompt prefill: for a draft as large as the
-    target, like its int8 copy, as slow as the target's own). Token costs are kept per session generating: a
-    draft serves concurrent sessions' calls on the same cores, so at n sessions a call takes ~n times as long, and
-    a cost measured under load must not keep a lone session from drafting later (or the reverse)."""
+    target, like its int8 copy, as slow as the target's own). A draft serves concurrent sessions' calls on the
+    same cores, so a token's cost depends on how many sessions are generating: it is kept per session count
+    where measured there (a batching draft's 8 sessions cost ~3.5x one, not 8x), else taken as n times the
+    per-session share of what was measured (a serial draft), so a cost measured under load neither keeps a lone
+    session from drafting later nor the reverse."""
+
+    MAX_LOADS = 64  # session counts with their own per-token estimate
 
     def __init__(self):
         self._lock = threading.Lock()
         self.call_ms = Ema()
-        self.token_ms = Ema()
+        self.token_ms = Ema()  # per drafted token, divided by the sessions generating at the time
+        self.token_ms_at: dict[int, Ema] = {}  # sessions generating -> per drafted token, as measured there
         self.prefill_token_ms = Ema()
 
     def observe(self, wall_ms: float, draft_ms: float, tokens: int, sessions: int = 1) -> None:
         """A Propose call that drafted `tokens` tokens (with `sessions` generating at the time)."""
+        n = max(1, sessions)
         with self._lock:
             if tokens:
-                self.token_ms.observe(draft_ms / tokens / max(1, sessions))
+                self.token_ms.observe(draft_ms / tokens / n)
+                if n <= self.MAX_LOADS:
+                    self.token_ms_at.setdefault(n, Ema()).observe(draft_ms / tokens)
             self.call_ms.observe(max(0.0, wall_ms - draft_ms))
 
     def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int, sessions: int = 1) -> None:
@@ -244,9 +252,16 @@ class DraftCost:
                 self.prefill_token_ms.value = max(self.prefill_token_ms.get(0.0), floor)
             else:
                 self.token_ms.value = max(self.token_ms.get(0.0), per / max(1, tokens))
+                at = self.token_ms_at.get(max(1, sessions))
+                if at is not None:
+                    at.value = max(at.get(0.0), waited_ms / max(1, tokens))
 
     def per_token(self, sessions: int = 1) -> float:
-        return self.token_ms.get(0.0) * max(1, sessions)
+        n = max(1, sessions)
+        at = self.token_ms_at.get(n)
+        if at is not None and at.value is not None:
+            return at.value
+        return self.token_ms.get(0.0) * n
 
     def per_prefill_token(self, sessions: int = 1) -> float | None:
         value = self.prefill_token_ms.value

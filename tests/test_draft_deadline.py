@@ -24,7 +24,7 @@ def test_deadline_allows_a_block_of_a_measured_draft_model():
     assert _gen(50.0, 200, 190, cost)._draft_timeout_s(8) == 5.0  # nothing measured yet: the first-call deadline
     cost.observe(wall_ms=62.0, draft_ms=60.0, tokens=4)  # 15 ms a token
     assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(8) - 2 * 8 * 15 / 1e3) < 1e-9
-    cost.token_ms.value = 500.0  # a draft slower per token than the target is capped at a target step a token
+    cost.timed_out(4000.0, tokens=8)  # now 500 ms a token: slower than the target, capped at a step a token
     assert abs(_gen(50.0, 200, 190, cost)._draft_timeout_s(8) - 2 * 8 * 50 / 1e3) < 1e-9
 
 

@@ -288,3 +288,18 @@ def test_goodput_counts_the_drafting_a_prefetch_hides():
     saved = a ** 5 * min(4 * 60.0, FLAT_TO_6[4])  # block and bonus guess accepted: the verify's length hidden
     assert piped.tokens_per_ms(4) == pytest.approx(expected / (FLAT_TO_6[4] + 2.0 + 4 * 60.0 - saved))
     assert piped.best() > serial.best()
+
+
+def test_draft_cost_is_kept_per_session_count_where_measured():
+    """A batching draft serves 8 sessions' steps in shared forwards: ~50 ms a token each, not 8 x 14."""
+    from orchestrator.draft_length import DraftCost
+
+    cost = DraftCost()
+    cost.observe(wall_ms=58.0, draft_ms=56.0, tokens=4, sessions=1)  # 14 ms a token alone
+    cost.observe(wall_ms=202.0, draft_ms=200.0, tokens=4, sessions=8)  # 50 ms a token among 8
+    assert cost.per_token(1) == pytest.approx(14.0)
+    assert cost.per_token(8) == pytest.approx(50.0)
+    share = cost.token_ms.value  # unmeasured loads: n times the per-session share (a serial draft's cost)
+    assert cost.per_token(4) == pytest.approx(4 * share)
+    cost.timed_out(400.0, tokens=4, sessions=8)  # a timeout at 8 raises the estimate at 8, not at 1
+    assert cost.per_token(8) == pytest.approx(100.0) and cost.per_token(1) == pytest.approx(14.0)
