@@ -10,8 +10,8 @@ No batching thread: the first caller to find no forward running leads (collects 
 forward, hands out the results) and the others wait for it; a lone session runs its own step at once. The leader
 waits up to `wait_ms` for sessions that are inside a proposal (`member`) but have not submitted their next step
 yet (between two steps a session only picks its token): without that wait the sessions fall out of step and every
-forward carries one row. A prefill is fed in chunks of at most `max_rows` rows, so the other sessions' steps
-share its forwards instead of waiting out a whole prompt (chunked prefill).
+forward carries one row. A prefill is fed in chunks of half of `max_rows` (LeanCachedLM.extend), so the other
+sessions' steps share its forwards instead of waiting out a whole prompt (chunked prefill).
 """
 
 from __future__ import annotations

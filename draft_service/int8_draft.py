@@ -263,8 +263,8 @@ class LeanLlama(torch.nn.Module):
 
 class LeanCachedLM(CachedLM):
     """CachedLM over a LeanLlama: the same session protocol (sync, crop, extend, release), a LeanCache per
-    session. With batch_rows > 0 (and the native stack) concurrent sessions' extends share forwards
-    (draft_service/draft_batcher.py), a long feed in chunks of batch_rows rows."""
+    session. With batch_rows > 0 (and the native stack) concurrent sessions' extends share forwards of up to
+    batch_rows rows (draft_service/draft_batcher.py), a long feed in chunks of half that."""
 
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore, lean: LeanLlama, batch_rows: int = 0,
                  batch_wait_ms: float = 2.0):
@@ -291,8 +291,10 @@ class LeanCachedLM(CachedLM):
             if self.batcher is None:
                 logits = self.lean(new_tokens, sess.cache, keep)
             else:
-                rows = self.batcher.max_rows
-                for start in range(0, len(new_tokens), rows):  # a long feed in chunks: others' steps join each
+                # A long feed in chunks of half a forward: the other sessions' steps fit in beside each chunk
+                # (whole-forward chunks made them wait a chunk's forward, then run in one of their own).
+                rows = max(1, self.batcher.max_rows // 2)
+                for start in range(0, len(new_tokens), rows):
                     chunk = new_tokens[start : start + rows]
                     last = start + rows >= len(new_tokens)
                     logits = self.batcher.run(sess.session_id, (chunk, sess.cache, keep if last else 0), len(chunk))

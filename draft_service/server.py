@@ -100,7 +100,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return self.info
 
 
-DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (8 sessions' steps, or a prefill chunk with them)
+DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (a 16-row prefill chunk and others' steps)
 
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
@@ -223,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft_service/int8_draft.py)")
     p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
                    help="int8 draft: concurrent sessions' draft steps share one forward of up to this many rows, a "
-                        "prompt is fed in chunks of this size (0: every session's step runs alone; "
+                        "prompt is fed in chunks of half this size beside them (0: every session's step runs alone; "
                         "draft_service/draft_batcher.py)")
     p.add_argument("--hybrid-model-max-len", type=int, default=2,
                    help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")

@@ -248,8 +248,9 @@ class DraftCost:
         per = waited_ms / max(1, sessions)
         with self._lock:
             if context_tokens > 0:
-                floor = per / (context_tokens + tokens)
-                self.prefill_token_ms.value = max(self.prefill_token_ms.get(0.0), floor)
+                if self.prefill_token_ms.value is not None:  # unmeasured: the first-call deadline governs
+                    floor = per / (context_tokens + tokens)
+                    self.prefill_token_ms.value = max(self.prefill_token_ms.value, floor)
             else:
                 self.token_ms.value = max(self.token_ms.get(0.0), per / max(1, tokens))
                 at = self.token_ms_at.get(max(1, sessions))

@@ -187,8 +187,9 @@ class Generation:
         draft's measured time per token, each capped at the measured target step, and at least one target step
         (a draft model nearly the target's size, like its own weights in int8, needs several steps for a long
         block). A call that must first prefill the context (new session, failover, probe) gets time in proportion:
-        the drafts' measured prefill time per context token (as slow as the target's own for a draft of its size),
-        or the first-call deadline until one was measured; so does every call until a draft token's time was."""
+        the drafts' measured prefill time per context token (as slow as the target's own for a draft of its size;
+        capped at a target step), or the first-call deadline until one was measured; so does every call until a
+        draft token's time was."""
         first_call = self.cfg.draft_first_call_timeout_ms
         if self.target_step.ms == 0:  # nothing measured yet
             return first_call / 1e3
@@ -207,7 +208,8 @@ class Generation:
             per_token = self.draft_cost.per_prefill_token(sessions)
             if per_token is None:
                 return max(first_call, budget * (1 + ctx / 128)) / 1e3
-            budget = max(budget * (1 + ctx / 128), budget + factor * ctx * per_token)
+            # capped like a drafted token: a draft slower per context token than a target step is no help
+            budget = max(budget * (1 + ctx / 128), budget + factor * ctx * min(step, per_token))
         return max(self.cfg.draft_timeout_floor_ms, budget) / 1e3
 
     def _sessions(self) -> int:
