@@ -27,7 +27,7 @@ import torch
 from specdec import telemetry
 
 
-@dataclass
+@dataclass(eq=False)  # steps are told apart by identity, never by their tensors
 class _Step:
     session_id: str
     feed: Any  # what forward_rows takes for this session (tokens, cache, keep)
