@@ -42,11 +42,7 @@ class BatchStats:
     forwards: int = 0
     steps: int = 0  # session steps fed
     rows: int = 0
-    waits: int = 0  # forwards whose leader waited for a member
     by_size: dict[int, int] = field(default_factory=dict)  # steps per forward -> forwards
-
-    def mean_steps(self) -> float:
-        return self.steps / self.forwards if self.forwards else 0.0
 
 
 class DraftStepBatcher:
@@ -99,13 +95,11 @@ class DraftStepBatcher:
         self._busy = True
         try:
             deadline = time.monotonic() + self.wait_s
-            waited = False
             while True:
                 missing = set(self._members) - {s.session_id for s in self._pending}
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0 or self._rows_pending() >= self.max_rows:
                     break
-                waited = True
                 self._cond.wait(remaining)
             batch, rows, seen = [], 0, set()
             for step in self._pending:  # oldest first; one step per session; the first always fits
@@ -132,7 +126,6 @@ class DraftStepBatcher:
             st.forwards += 1
             st.steps += len(batch)
             st.rows += rows
-            st.waits += waited
             st.by_size[len(batch)] = st.by_size.get(len(batch), 0) + 1
             telemetry.record_draft_batch(len(batch))
         finally:
