@@ -277,6 +277,27 @@ class LeanCachedLM(CachedLM):
     def proposing(self, session_id: str):
         return self.batcher.member(session_id) if self.batcher is not None else super().proposing(session_id)
 
+    @property
+    def kv_dims(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the keys and values import_kv takes."""
+        return len(self.lean.layers), self.lean.kv_heads, self.lean.head_dim
+
+    def import_kv(self, sess: SessionKV, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start the session over from KV computed elsewhere for `tokens` (the target's, of the weights this draft
+        rounded: PrefillResponse.kv): keys and values [layers, kv_heads, len(tokens), head_dim], keys rotated as
+        this forward stores them. Replaces a prompt prefill by a copy."""
+        n = len(tokens)
+        if keys.shape != (*self.kv_dims[:2], n, self.kv_dims[2]) or values.shape != keys.shape:
+            raise ValueError(f"KV of shape {tuple(keys.shape)} for {n} tokens; this draft takes "
+                             f"{(*self.kv_dims[:2], n, self.kv_dims[2])}")
+        check_context(self.loaded, n)
+        cache = self.lean.new_cache()
+        cache.reserve(n)
+        cache.keys[:, :, :n] = keys
+        cache.values[:, :, :n] = values
+        cache.length = n
+        sess.cache, sess.tokens[:] = cache, tokens
+
     def crop(self, sess: SessionKV, length: int) -> None:
         if sess.cache is not None and length < len(sess.tokens):
             sess.cache.length = length

@@ -48,10 +48,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
             t0 = time.perf_counter()
             stoppable = getattr(self.proposer, "stoppable", False)
-            stop = {"should_stop": lambda: not context.is_active()} if stoppable else {}
+            extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
+            if request.HasField("kv"):
+                extra["kv"] = self._imported_kv(request, delta)
+                s.set_attribute("kv_imported", request.kv.length)
             proposal = self.proposer.get_candidates(
                 sid, request.delta.prefix_len, delta, request.max_draft_len, params,
-                request.sampling.seed, request.step, request.min_confidence, **stop,
+                request.sampling.seed, request.step, request.min_confidence, **extra,
             )
             ms = (time.perf_counter() - t0) * 1e3
             s.set_attribute("draft_tokens", len(proposal.tokens))
@@ -61,6 +64,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tokens=proposal.tokens, probs=probs, cached_len=proposal.cached_len, draft_ms=ms,
             token_scores=proposal.scores or []
         )
+
+    def _imported_kv(self, request, delta: list[int]):
+        """The request's KvBlock as (keys, values), after checking it is this draft's kind and fits the request."""
+        kv = request.kv
+        if not self.info.kv_fingerprint or kv.fingerprint != self.info.kv_fingerprint:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           "this draft cannot take that KV (it holds KV of other weights, or none from elsewhere): "
+                           "send the context without it")
+        if request.delta.prefix_len != 0 or not 1 <= kv.length < len(delta):
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"KV of {kv.length} positions needs a new session's context (prefix_len 0) of more tokens "
+                           f"(got prefix_len {request.delta.prefix_len}, {len(delta)} tokens)")
+        return wire.decode_kv(kv, *self.proposer.kv_dims)
 
     MAX_TREE_NODES = 64
     MAX_TREE_BRANCH = 16
@@ -137,6 +153,8 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         lm = int8_draft(loaded, store, batch_rows=batch_rows)  # the full vocabulary: its head is the target's, in int8
         info.model_name = f"{loaded.name}[int8]"
         info.dtype = "int8"
+        if getattr(lm, "kv_dims", None) is not None:  # the lean runtime takes the target's prompt KV
+            info.kv_fingerprint = loaded.kv_fingerprint
     elif limit_draft_vocab(loaded, draft_vocab):
         info.model_name = f"{loaded.name}[vocab<{draft_vocab}]"
     proposer = ModelProposer(loaded, store, lm)
@@ -146,6 +164,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
 
         store = open_datastore(datastore, vocab_from or model, loaded.fingerprint, loaded.vocab_size)
         info.model_name = f"{ngram_model_name(store)}+{info.model_name}"
+        info.kv_fingerprint = ""  # the hybrid's n-gram side drafts too: it takes no KV
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
                               hybrid_model_max_len), info
     return proposer, info

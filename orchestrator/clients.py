@@ -96,15 +96,19 @@ class DraftClient:
 
     def propose(self, session_id: str, committed: list[int], pos: int, max_len: int, params: SamplingParams,
                 seed: int, step: int, timeout: float, min_confidence: float = 0.0,
-                tree: dict | None = None) -> DraftReply:
-        """``tree``: ask for a token tree (keys tree_budget, tree_branch, tree_branch_below, tree_max_depth)."""
+                tree: dict | None = None, kv: common_pb2.KvBlock | None = None) -> DraftReply:
+        """``tree``: ask for a token tree (keys tree_budget, tree_branch, tree_branch_below, tree_max_depth).
+        ``kv``: the target's KV of committed's first kv.length tokens (pos must be 0), installed instead of a
+        prefill."""
         sampling = wire.sampling_to_proto(params, seed)
+        if kv is not None and pos != 0:
+            raise ValueError("KV goes with the whole context (pos 0)")
 
         def call(delta):
             return self.stub.Propose(
                 draft_pb2.ProposeRequest(session_id=session_id, delta=delta, max_draft_len=max_len,
                                          sampling=sampling, step=step, min_confidence=min_confidence,
-                                         **(tree or {})),
+                                         kv=kv, **(tree or {})),
                 timeout=timeout,
             )
 
@@ -163,6 +167,16 @@ class TargetClient:
         r, resynced = _call_with_resync(call, committed, pos)
         return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced,
                            list(r.accepted_nodes))
+
+    def prefill(self, session_id: str, committed: list[int], pos: int, timeout: float,
+                export_kv: bool = False) -> target_pb2.PrefillResponse:
+        """Prefill committed[pos:] (from 0 after a cache miss) and wait; with export_kv the reply carries the
+        session's KV (PrefillResponse.kv, empty when the target leaves it out)."""
+        def call(delta):
+            return self.stub.Prefill(target_pb2.PrefillRequest(session_id=session_id, delta=delta, export_kv=export_kv),
+                                     timeout=timeout)
+
+        return _call_with_resync(call, committed, pos)[0]
 
     def prefill_async(self, session_id: str, committed: list[int], pos: int, timeout: float):
         """Start a Prefill of committed[pos:] without waiting; the future's .result().cached_len is what the target

@@ -39,7 +39,7 @@ FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
 COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "fallback_steps", "fallback_tokens",
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
             "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
-            "parallel_prefills")
+            "parallel_prefills", "kv_imports")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
 STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
 
@@ -63,6 +63,7 @@ class LoopConfig:
     draft_len_policy: str = "goodput"  # adaptive: goodput (measured costs) | heuristic (transformers' +2/-1)
     pipeline: str = "off"              # off | on | auto (prefetch when the measured saving beats its cost)
     pipeline_min_gain_ms: float = 1.0  # auto: what a prefetch must save on average (about one extra RPC's cost)
+    draft_prefill: str = "target-kv"   # target-kv: an int8-copy draft takes the target's prompt KV | own
     speculation_max_sessions: int = 0  # above this many generating sessions, decode target-only (0 = no limit)
     draft_min_confidence: float = 0.0  # the draft stops early when its top probability falls below (llama.cpp p-min)
     fallback_chunk: int = 4            # tokens per target-only Decode call (degraded or speculation off)
@@ -144,6 +145,7 @@ class Generation:
     lease: str = ""  # this stream's session lease token: every write is fenced by it (session_store.py)
     draft_evidence: DraftEvidence | None = None  # what the drafter's token scores mean (goodput draft length)
     draft_cost: DraftCost = field(default_factory=DraftCost)  # shared by the orchestrator's sessions
+    target_kv_fingerprint: str = ""  # ModelInfo.kv_fingerprint of the target: drafts with the same take its KV
 
     def __post_init__(self):
         p = self.rec.params
@@ -230,21 +232,24 @@ class Generation:
             rec.draft_replica, rec.draft_pos = replica.address, 0  # the new replica rebuilds from token 0
         return replica
 
-    def _propose(self, replica, k: int):
-        """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed."""
+    def _propose(self, replica, k: int, kv=None):
+        """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed.
+        kv: the target's KV of the context's first kv.length tokens (a new session, _target_kv)."""
         rec = self.rec
         t0 = time.perf_counter()
         # A call whose draft must first take in more than one block's worth of context (a new session's prompt,
         # the tokens decoded target-only during a pause or a failure) pays for that intake at the drafts' prefill
-        # rate; only the rest is what drafting costs.
-        prefilled = rec.draft_pos == 0
-        intake = len(rec.committed) - rec.draft_pos
+        # rate; only the rest is what drafting costs. Positions whose KV comes along are not taken in.
+        held = max(rec.draft_pos, kv.length if kv is not None else 0)
+        prefilled = held == 0
+        intake = len(rec.committed) - held
         catching_up = intake > self.cfg.max_draft_len + 1
         timeout_s = self._draft_timeout_s(k)
         try:
             with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
-                                               self.seed, rec.step, timeout_s, self.cfg.draft_min_confidence)
+                                               self.seed, rec.step, timeout_s, self.cfg.draft_min_confidence,
+                                               kv=kv)
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             if kind == "timeout":
@@ -399,8 +404,9 @@ class Generation:
             ask = min(self.draft_len.request_len(k), remaining - 1)  # more than k: a scored draft is trimmed
             reply, failed = self._take_prefetched(replica, ask)
             if reply is None:
-                prefill = self._start_target_prefill(replica)
-                reply, failed = self._propose(replica, ask)
+                kv = self._target_kv(replica)
+                prefill = None if kv is not None else self._start_target_prefill(replica)
+                reply, failed = self._propose(replica, ask, kv)
                 self._finish_target_prefill(prefill)
             if reply is not None:
                 self._trim_to_verified_prefix(reply, remaining - 1)
@@ -429,6 +435,35 @@ class Generation:
         rec.stats["parallel_prefills"] += 1
         return self.target.prefill_async(rec.session_id, rec.committed[:-1], rec.target_pos,
                                          self.cfg.target_timeout_s)
+
+    def _target_kv(self, replica):
+        """When the draft must take in a long context (a new session, a new replica) and it is the int8 copy of the
+        target's own weights (equal kv fingerprints), the target prefills first and hands over its KV: the draft
+        installs it instead of prefilling (its int8 prefill costs about twice the target's per token, and under load
+        the prompts were half its work). The KvBlock, or None where that does not apply or the target failed (the
+        draft then prefills as before)."""
+        rec = self.rec
+        fingerprint = self.target_kv_fingerprint
+        info = replica.info
+        if (self.cfg.draft_prefill != "target-kv" or not fingerprint or info is None
+                or info.kv_fingerprint != fingerprint or rec.draft_pos != 0
+                or len(rec.committed) - 1 < self.PARALLEL_PREFILL_MIN_TOKENS or is_local(replica.address)):
+            return None
+        try:
+            with telemetry.span("orchestrator.target_kv", session_id=rec.session_id):
+                reply = self.target.prefill(rec.session_id, rec.committed[:-1],
+                                            min(rec.target_pos, len(rec.committed) - 1), self.cfg.target_timeout_s,
+                                            export_kv=True)
+        except grpc.RpcError as e:  # the Verify resends what the target lacks; the draft prefills itself
+            log.info("target prefill for the draft's KV failed", extra={"session_id": rec.session_id,
+                                                                         "code": e.code().name})
+            return None
+        if reply.cached_len <= len(rec.committed):
+            rec.target_pos = reply.cached_len
+        if not reply.HasField("kv") or not 1 <= reply.kv.length < len(rec.committed):
+            return None
+        rec.stats["kv_imports"] += 1
+        return reply.kv
 
     def _finish_target_prefill(self, future) -> None:
         if future is None:

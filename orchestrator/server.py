@@ -245,7 +245,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 cancel.set()  # it went away before the callback was registered (e.g. while waiting for the lease)
             gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
                              cancel, self.window, self.target_step, self._active_count, self.target_cost,
-                             self.acceptance_prior, lease, self.draft_evidence, self.draft_cost)
+                             self.acceptance_prior, lease, self.draft_evidence, self.draft_cost,
+                             self.target_info.kv_fingerprint)
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
@@ -405,6 +406,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rate x Propose round trip, beats --pipeline-min-gain-ms)")
     p.add_argument("--pipeline-min-gain-ms", type=float, default=1.0,
                    help="auto pipelining: the mean saving per step a prefetch must bring (about one RPC's cost)")
+    p.add_argument("--draft-prefill", choices=["target-kv", "own"], default="target-kv",
+                   help="how a new session's draft gets the prompt when it is the target's own weights in int8 "
+                        "(equal kv fingerprints): target-kv = the target prefills and hands its KV over (a few MiB "
+                        "through this process per session); own = the draft prefills, in parallel with the target")
     p.add_argument("--speculation-max-sessions", type=int, default=0,
                    help="decode target-only while more than N sessions are generating: a busy batched target is "
                         "compute-bound and verifying drafts costs more than it saves (0 = always speculate)")
@@ -450,6 +455,7 @@ def serve(args: argparse.Namespace) -> None:
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
                      pipeline=args.pipeline,
                      pipeline_min_gain_ms=args.pipeline_min_gain_ms,
+                     draft_prefill=args.draft_prefill,
                      speculation_max_sessions=args.speculation_max_sessions,
                      draft_min_confidence=args.draft_min_confidence,
                      tree_budget=args.tree_budget, tree_branch=args.tree_branch,

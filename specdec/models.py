@@ -101,6 +101,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     fingerprint: str  # tokenizer_fingerprint(tokenizer)
     ragged_batch: bool = False  # batched forwards attend per session cache (specdec/ragged_batch.py)
+    kv_fingerprint: str = ""  # weights_fingerprint(model), taken before any prepacking or quantisation
 
 
 # --------------------------------------------------------------------------
@@ -155,6 +156,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return _DTYPES[text]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)") from None
+
+
+def weights_fingerprint(model: PreTrainedModel, samples: int = 4096) -> str:
+    """sha256 hex over the architecture (config fields that shape the KV cache and the rotary embedding) and, per
+    parameter, its name, shape and an evenly strided sample of its values rounded to bfloat16: equal for two
+    loads of the same weights whatever their dtype (float32, bfloat16) and whatever either does to them later
+    (prepacking, int8 rounding). Two services with equal fingerprints compute the same keys and values for the
+    same tokens, up to their own rounding; the KV exchange between a target and its int8 draft relies on it."""
+    cfg = model.config
+    arch = {key: getattr(cfg, key, None) for key in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "rms_norm_eps")}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // samples)
+            h.update(f"{name}:{tuple(p.shape)}".encode())
+            h.update(flat[::step][:samples].to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -660,6 +681,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
     else:
         vocab_size = int(model.config.vocab_size)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length)
+    kv_fingerprint = weights_fingerprint(model)
     packed = cpu_kernels.prepack_linears(model, prepack_min_elements) if cpu_kernels.should_prepack(prepack, dev) else 0
     ragged = ragged_batch.enable(model) if ragged else False
 
@@ -674,6 +696,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         eos_token_ids=eos,
         fingerprint=tokenizer_fingerprint(tok),
         ragged_batch=ragged,
+        kv_fingerprint=kv_fingerprint,
     )
     logger.info(
         "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears, ragged batch %s)",

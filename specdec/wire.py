@@ -88,3 +88,44 @@ def check_token_ids(tokens, vocab_size: int, what: str) -> list[int]:
 
 def is_finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
+
+
+# A session's KV on the wire (common.proto KvBlock): the target's prompt KV for its int8 draft.
+
+def encode_kv(keys: torch.Tensor, values: torch.Tensor, fingerprint: str) -> common_pb2.KvBlock:
+    """keys, values: [layers, kv_heads, length, head_dim] -> KvBlock (float16)."""
+    if keys.shape != values.shape or keys.dim() != 4:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be equal 4-d shapes")
+    layers, heads, length, dim = keys.shape
+
+    def pack(t: torch.Tensor) -> bytes:
+        return t.detach().to("cpu", torch.float16).contiguous().numpy().astype("<f2", copy=False).tobytes()
+
+    return common_pb2.KvBlock(length=length, layers=layers, kv_heads=heads, head_dim=dim, keys_fp16=pack(keys),
+                              values_fp16=pack(values), fingerprint=fingerprint)
+
+
+def kv_nbytes(layers: int, kv_heads: int, length: int, head_dim: int) -> int:
+    """Bytes of a KvBlock's two float16 arrays."""
+    return 2 * 2 * layers * kv_heads * length * head_dim
+
+
+def decode_kv(msg: common_pb2.KvBlock, layers: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KvBlock -> float32 keys, values [layers, kv_heads, length, head_dim]. Raises ValueError when its shape is
+    not this model's or its arrays do not hold that shape."""
+    if (msg.layers, msg.kv_heads, msg.head_dim) != (layers, kv_heads, head_dim):
+        raise ValueError(f"KV block of {msg.layers} layers x {msg.kv_heads} kv heads x {msg.head_dim} dims; this "
+                         f"model has {layers} x {kv_heads} x {head_dim}")
+    want = kv_nbytes(layers, kv_heads, msg.length, head_dim) // 2
+    if msg.length < 1 or len(msg.keys_fp16) != want or len(msg.values_fp16) != want:
+        raise ValueError(f"KV block of {msg.length} positions needs {want} bytes of keys and of values; got "
+                         f"{len(msg.keys_fp16)} and {len(msg.values_fp16)}")
+    shape = (layers, kv_heads, msg.length, head_dim)
+
+    def unpack(b: bytes) -> torch.Tensor:
+        t = torch.from_numpy(np.frombuffer(b, dtype="<f2").astype(np.float32)).reshape(shape)
+        if not torch.isfinite(t).all():
+            raise ValueError("KV block has NaN or infinite values")
+        return t
+
+    return unpack(msg.keys_fp16), unpack(msg.values_fp16)

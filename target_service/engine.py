@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import sampling, telemetry
+from specdec import sampling, telemetry, wire
 from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
@@ -227,6 +227,23 @@ class TargetEngine:
                 self.lm.extend(sess, new, keep=1)
             self.store.update_size(sess)
             return len(sess.tokens)
+
+    def export_kv(self, session_id: str, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The session's cached keys and values, [layers, kv_heads, positions, head_dim] each (float32 copies): all
+        its positions, or the first ones that fit in max_bytes as float16; None when not one fits or the cache is
+        not a plain per-layer one."""
+        sess = self.store.get(session_id)
+        with sess.lock:
+            layers = getattr(sess.cache, "layers", None)
+            if not sess.tokens or not layers or any(getattr(layer, "keys", None) is None for layer in layers):
+                return None
+            _, heads, _, dim = layers[0].keys.shape
+            n = min(len(sess.tokens), max_bytes // wire.kv_nbytes(len(layers), heads, 1, dim))
+            if n < 1:
+                return None
+            keys = torch.stack([layer.keys[0, :, :n].float() for layer in layers])
+            values = torch.stack([layer.values[0, :, :n].float() for layer in layers])
+            return keys, values
 
     def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int,

@@ -33,6 +33,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             strategy="target",
             forward_ms=engine.forward_ms,
             max_batch=engine.max_batch,
+            kv_fingerprint=loaded.kv_fingerprint,
         )
         component = {"specdec.component": "target"}
         telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
@@ -46,8 +47,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Prefill(self, request, context):
         sid = require_session_id(request.session_id)
         prefix_len, delta = self._delta(request.delta)
-        with telemetry.span("target.prefill", session_id=sid, tokens=len(delta)):
-            return target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
+        with telemetry.span("target.prefill", session_id=sid, tokens=len(delta), export_kv=request.export_kv):
+            reply = target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
+            if request.export_kv and self.info.kv_fingerprint:
+                kv = self.engine.export_kv(sid, self.MAX_KV_EXPORT_BYTES)
+                if kv is not None:
+                    reply.kv.CopyFrom(wire.encode_kv(*kv, self.info.kv_fingerprint))
+            return reply
+
+    # A KV export holds at most this much (the first positions that fit; the draft prefills the rest itself): under
+    # the 8 MiB message limit with room for the Propose request around it. SmolLM2-135M: 22.5 KiB a position.
+    MAX_KV_EXPORT_BYTES = 7 * 1024 * 1024
 
     @handle_errors
     def Verify(self, request, context):

@@ -87,7 +87,10 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
 
         loaded = load_model(spec.removeprefix("int8:"), device="cpu", dtype="float32", prepack="off")  # own copy
         store = SessionCacheStore(max_sessions=sessions)
-        return ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
+        proposer, info = ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
+        if proposer.kv_dims is not None:  # as draft_service.server.build_proposer: it takes the target's KV
+            info.kv_fingerprint = loaded.kv_fingerprint
+        return proposer, info
     loaded = model(spec)
     return ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
 
@@ -119,8 +122,9 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
         remote = iter(d.address for d in dservers)
         pool = DraftPool([spec if is_local(spec) else next(remote) for spec in specs],
                          local_client=lambda a: build_local_client(a, tl.tokenizer, tl.name, tl.vocab_size, "none"))
-        for replica in pool.replicas:
-            check_compatible(target_info, replica.client.info())
+        for replica in pool.replicas:  # as orchestrator.server.connect does
+            replica.info = replica.client.info()
+            check_compatible(target_info, replica.info)
     # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.
     cfg = cfg or LoopConfig(default_draft_len=draft_len, draft_timeout_floor_ms=5000)
     servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,

@@ -216,11 +216,12 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     assert totals["draft_tokens_trimmed"] > 0
 
 
-@pytest.mark.parametrize("draft", [DRAFT_EARLY, "local:ngram"], ids=["remote-draft", "local-ngram"])
+@pytest.mark.parametrize("draft", [DRAFT_EARLY, "local:ngram", INT8_SELF], ids=["remote-draft", "local-ngram", "int8-self"])
 def test_a_long_prompt_is_prefilled_by_target_and_draft_at_once(redis_url, draft):
     """A new session whose prompt the draft must prefill: the target prefills it in parallel (one Prefill call; the
     first Verify then carries only the last token and the drafts). The in-process n-gram drafter has nothing to
-    prefill, so it does not. Outputs stay those of target-only decoding."""
+    prefill, so it does not. The target's int8 copy takes the target's KV instead of prefilling (one Prefill call
+    first, its KV in the first Propose). Outputs stay those of target-only decoding."""
     prompt = [(7 * i) % 60 + 1 for i in range(40)]
     s = start_stack(redis_url, draft=draft)
     try:
@@ -228,6 +229,13 @@ def test_a_long_prompt_is_prefilled_by_target_and_draft_at_once(redis_url, draft
         spec = s.client.generate(prompt, max_new_tokens=24, max_draft_len=4, ignore_eos=True)
         assert spec.token_ids == ref.token_ids
         assert spec.stats["parallel_prefills"] == (1 if draft == DRAFT_EARLY else 0)
+        assert spec.stats["kv_imports"] == (1 if draft == INT8_SELF else 0)
         assert spec.stats["target_resyncs"] == 0 and spec.stats["draft_failures"] == 0
+        assert spec.stats["draft_tokens_accepted"] > 0
+        if draft == INT8_SELF:  # --draft-prefill own: the int8 copy prefills itself, beside the target
+            s.servicer.cfg.draft_prefill = "own"
+            own = s.client.generate(prompt, max_new_tokens=24, max_draft_len=4, ignore_eos=True)
+            assert own.token_ids == ref.token_ids
+            assert (own.stats["kv_imports"], own.stats["parallel_prefills"]) == (0, 1)
     finally:
         s.stop()

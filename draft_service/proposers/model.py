@@ -52,15 +52,28 @@ class ModelProposer(Proposer):
         self.store = store if store is not None else SessionCacheStore()
         self.lm = lm if lm is not None else CachedLM(loaded, self.store)
 
+    @property
+    def kv_dims(self) -> tuple[int, int, int] | None:
+        """(layers, kv_heads, head_dim) when the runtime takes KV computed elsewhere (get_candidates' kv), else None."""
+        return getattr(self.lm, "kv_dims", None)
+
     def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0, should_stop=None) -> Proposal:
+                       min_confidence=0.0, should_stop=None, kv=None) -> Proposal:
         """should_stop: checked before touching the session and between tokens. A pipelined prefetch the
         orchestrator no longer wants (its block was not fully accepted) is cancelled: it must neither hold the
-        session's lock for a whole block nor change the cache after the call that replaced it."""
+        session's lock for a whole block nor change the cache after the call that replaced it.
+        kv: (keys, values) of delta's first tokens, to install instead of prefilling them (prefix_len 0 only)."""
         sess = self.store.get(session_id)
         with sess.lock:
             if should_stop is not None and should_stop():
                 return Proposal([], None, len(sess.tokens))
+            if kv is not None:
+                if prefix_len != 0 or kv[0].shape[2] >= len(delta):
+                    raise ValueError("KV comes with a new session's whole context (prefix_len 0), for all but at "
+                                     "least its last token")
+                n = kv[0].shape[2]
+                self.lm.import_kv(sess, list(delta[:n]), *kv)
+                prefix_len, delta = n, delta[n:]
             with self.lm.proposing(session_id):  # a batching runtime lets the other sessions' steps wait for ours
                 new = self.lm.sync(sess, prefix_len, delta)
                 gen = None if params.is_greedy else sampling.make_generator(seed, step, "draft")

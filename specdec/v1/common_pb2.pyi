@@ -35,7 +35,7 @@ class Distribution(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., values_fp16: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms", "max_batch")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms", "max_batch", "kv_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ModelInfo(_message.Message):
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -56,7 +57,26 @@ class ModelInfo(_message.Message):
     strategy: str
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
     max_batch: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    kv_fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ..., max_batch: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("length", "layers", "kv_heads", "head_dim", "keys_fp16", "values_fp16", "fingerprint")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FP16_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FP16_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    keys_fp16: bytes
+    values_fp16: bytes
+    fingerprint: str
+    def __init__(self, length: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., keys_fp16: _Optional[bytes] = ..., values_fp16: _Optional[bytes] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class TokenTree(_message.Message):
     __slots__ = ("parents", "tokens", "probs")

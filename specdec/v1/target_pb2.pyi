@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "delta")
+    __slots__ = ("session_id", "delta", "export_kv")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_KV_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     delta: _common_pb2.TokenDelta
-    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ...) -> None: ...
+    export_kv: bool
+    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., export_kv: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("cached_len",)
+    __slots__ = ("cached_len", "kv")
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     cached_len: int
-    def __init__(self, cached_len: _Optional[int] = ...) -> None: ...
+    kv: _common_pb2.KvBlock
+    def __init__(self, cached_len: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvBlock, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "delta", "draft_tokens", "draft_probs", "sampling", "step", "tree")
