@@ -63,6 +63,7 @@ class LoopConfig:
     draft_len_policy: str = "goodput"  # adaptive: goodput (measured costs) | heuristic (transformers' +2/-1)
     pipeline: str = "off"              # off | on | auto (prefetch when the measured saving beats its cost)
     pipeline_min_gain_ms: float = 1.0  # auto: what a prefetch must save on average (about one extra RPC's cost)
+    pipeline_max_sessions: int = 2     # auto: no prefetching while more sessions generate (0 = no limit)
     draft_prefill: str = "target-kv"   # target-kv: an int8-copy draft takes the target's prompt KV | own
     speculation_max_sessions: int = 0  # above this many generating sessions, decode target-only (0 = no limit)
     draft_min_confidence: float = 0.0  # the draft stops early when its top probability falls below (llama.cpp p-min)
@@ -488,14 +489,23 @@ class Generation:
 
     def _pipelines(self, replica) -> bool:
         """Whether blocks for this replica are prefetched (as a rule; auto also weighs the full-block rate)."""
-        return self.cfg.pipeline == "on" or (self.cfg.pipeline == "auto" and _stoppable(replica))
+        return self.cfg.pipeline == "on" or (self.cfg.pipeline == "auto" and _stoppable(replica)
+                                             and not self._draft_shared())
+
+    def _draft_shared(self) -> bool:
+        """auto: more sessions generate than --pipeline-max-sessions. A prefetch pays by running the draft while it
+        would idle (its session's verify); with several sessions the others' blocks fill that time already, and a
+        prefetch whose block is not accepted whole only delays theirs (session 16, int8 draft, quick prompts:
+        prefetching +8% at 1 session, even at 2, -5% at 4, -15 to -22% at 8)."""
+        limit = self.cfg.pipeline_max_sessions
+        return limit > 0 and self._sessions() > limit
 
     def _prefetch_pays(self, replica) -> bool:
         """auto: a prefetch saves one Propose round trip when the block is fully accepted, and costs about one
         extra RPC either way; a free drafter (n-gram) or a low full-block rate makes it a loss. A model draft's
         prefetch is cancelled when its block is not fully accepted (it only used the draft's otherwise idle time),
         so it is started after any block; others only after a fully accepted one."""
-        return ((self.last_block_full or _stoppable(replica))
+        return ((self.last_block_full or _stoppable(replica)) and not self._draft_shared()
                 and self.full_block_rate * self.propose_time.ms > self.cfg.pipeline_min_gain_ms)
 
     def _start_prefetch(self, replica, reply, k: int):

@@ -406,6 +406,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rate x Propose round trip, beats --pipeline-min-gain-ms)")
     p.add_argument("--pipeline-min-gain-ms", type=float, default=1.0,
                    help="auto pipelining: the mean saving per step a prefetch must bring (about one RPC's cost)")
+    p.add_argument("--pipeline-max-sessions", type=int, default=2,
+                   help="auto pipelining: no prefetching while more than N sessions are generating; their drafting "
+                        "already fills the draft's time during each other's verifies, and a prefetch not accepted "
+                        "whole delays theirs (0 = no limit)")
     p.add_argument("--draft-prefill", choices=["target-kv", "own"], default="target-kv",
                    help="how a new session's draft gets the prompt when it is the target's own weights in int8 "
                         "(equal kv fingerprints): target-kv = the target prefills and hands its KV over (a few MiB "
@@ -447,6 +451,8 @@ def serve(args: argparse.Namespace) -> None:
     # Bad flags are refused before anything process-wide (telemetry, TLS) is set up.
     if not 0 <= args.tree_budget <= 64 or not 0 <= args.tree_branch <= 16 or not 0 <= args.tree_branch_below <= 1:
         raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
+    if args.pipeline_max_sessions < 0:
+        raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
@@ -455,6 +461,7 @@ def serve(args: argparse.Namespace) -> None:
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
                      pipeline=args.pipeline,
                      pipeline_min_gain_ms=args.pipeline_min_gain_ms,
+                     pipeline_max_sessions=args.pipeline_max_sessions,
                      draft_prefill=args.draft_prefill,
                      speculation_max_sessions=args.speculation_max_sessions,
                      draft_min_confidence=args.draft_min_confidence,

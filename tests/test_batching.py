@@ -159,7 +159,8 @@ def test_speculation_turns_off_above_the_session_limit(redis_url):
 
 def test_auto_pipelining_prefetches_only_when_it_pays():
     """auto: prefetch when full-block rate x Propose round trip beats the minimum gain. A free drafter (n-gram,
-    ~1 ms round trips) never pays; a slow draft that is usually fully accepted does; a rejection stops it."""
+    ~1 ms round trips) never pays; a slow draft that is usually fully accepted does; a rejection stops it; so
+    does sharing the draft with more sessions than --pipeline-max-sessions."""
     import types
 
     from orchestrator.generation import Generation, LoopConfig
@@ -168,7 +169,9 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     from specdec.v1 import common_pb2
 
     gen = types.SimpleNamespace(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), last_block_full=True,
-                                full_block_rate=1.0, propose_time=StepTimer())
+                                full_block_rate=1.0, propose_time=StepTimer(), sessions=1)
+    gen._sessions = lambda: gen.sessions
+    gen._draft_shared = lambda: Generation._draft_shared(gen)
     ngram = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="ngram"))
     model_draft = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="quantized"))
     gen.propose_time.observe(0.4)
@@ -183,6 +186,15 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     assert not pays(gen, ngram)                # right after a rejection: waiting for a stale one would cost
     assert pays(gen, model_draft)              # a model draft's stale prefetch is cancelled: start it anyway
     assert not pays(gen, types.SimpleNamespace(info=None))  # a replica not yet known: as a free drafter
+    # More sessions than --pipeline-max-sessions (2): their blocks fill the draft's time; no prefetching, and the
+    # goodput draft length is told so (_pipelines); --pipeline on prefetches whatever the load
+    assert Generation._pipelines(gen, model_draft)
+    gen.sessions = 3
+    assert not pays(gen, model_draft) and not Generation._pipelines(gen, model_draft)
+    gen.cfg.pipeline_max_sessions = 0  # no limit
+    assert pays(gen, model_draft) and Generation._pipelines(gen, model_draft)
+    gen.cfg.pipeline_max_sessions, gen.cfg.pipeline = 2, "on"
+    assert Generation._pipelines(gen, model_draft)
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "packed"])
