@@ -51,7 +51,9 @@ def markdown(res: dict) -> str:
               f"- {len(s['prompts'])} prompts ({', '.join(p['name'] for p in s['prompts'])}), chat template, greedy, "
               f"max_new_tokens {s['max_new_tokens']}, {s['rounds']} round(s), interleaved; {s['threads']} torch "
               f"thread per model service and in the benchmark process",
-              f"- machine: {m['cpus']} CPUs, load average {_f(m.get('load_average_begin', [None])[0])} at start / "
+              f"- machine: {m['cpus']} CPUs"
+              + (f" ({m['cpu_model']}, torch's CPU capability {m.get('cpu_flags')})" if m.get("cpu_model") else "")
+              + f", load average {_f(m.get('load_average_begin', [None])[0])} at start / "
               f"{_f(m.get('load_average_end', [None])[0])} at end; torch {m['torch']}, transformers {m['transformers']}; "
               f"total {_f(m.get('total_s'), 0)} s"
               + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in m["phases_s"].items()) + ")"

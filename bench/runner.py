@@ -979,6 +979,18 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
+def _cpu_model() -> str:
+    """The CPU's name (/proc/cpuinfo): the hosts differ between runs, and so do their ratios."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured) -> dict:
     import torch
     import transformers
@@ -1058,7 +1070,8 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
                                "tokens/s = all generated tokens / all wall time of a configuration",
                      "interleaving": "every prompt runs every configuration back to back, the order rotated by one "
                                      "per prompt; session counts alternate order per round"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "cpu_flags": torch.backends.cpu.get_cpu_capability(),
+                    "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "device": str(getattr(draft, "device", None) or args.device)},
         "microbench": micro,
