@@ -308,8 +308,10 @@ def test_orchestrator_points_at_existing_services(compose):
 
 def test_draft_strategy_is_configurable(compose):
     ns = specdec_commands(compose)["draft"]
-    assert ns.strategy in ("ngram", "model")
+    assert ns.strategy in ("ngram", "model", "quantized")
     assert ns.vocab_from == specdec_commands(compose)["target"].model  # the n-gram drafter's tokenizer check
+    if ns.strategy == "quantized":  # the target's own weights in int8 (and its prompt KV): the same model
+        assert ns.model == specdec_commands(compose)["target"].model
 
 
 def _source_text() -> str:
