@@ -164,6 +164,10 @@ def markdown(res: dict) -> str:
               f"{_f(ov.get('target_decode_rpc_overhead_ms'), 2)} ms; Propose {_f(ov.get('draft_propose_rpc_ms'), 1)} ms of "
               f"which the draft reports {_f(ov.get('draft_propose_service_ms'), 2)} ms (overhead "
               f"{_f(ov.get('draft_propose_rpc_overhead_ms'), 2)} ms); Redis per-step commit {_f(ov.get('redis_commit_ms'), 2)} ms",
+              *([f"- a bare gRPC call in the benchmark process (no service code) costs {_f(ov['grpc_bare_ms'], 2)} ms beyond "
+                 f"its handler's time, {_f(ov['grpc_bare_after_wait_ms'], 2)} ms when the handler first sleeps a target step "
+                 f"({_f(ov.get('grpc_wait_ms'), 0)} ms): the difference is this host waking the threads that waited, and each "
+                 "Verify and Propose above pays it"] if ov.get("grpc_bare_after_wait_ms") is not None else []),
               f"- so a speculative step pays about {_f(ov.get('per_step_system_overhead_ms'), 1)} ms of RPC + Redis "
               f"overhead against a target step of {_f(mb['target_step_ms'], 1)} ms "
               f"({_f(100 * (ov.get('per_step_system_overhead_ms') or 0) / mb['target_step_ms'], 1)}%); with the "

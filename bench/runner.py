@@ -408,7 +408,46 @@ def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int =
     return out
 
 
-def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, model_reps: int = 6) -> dict:
+def bare_grpc_cost(wait_ms: float, reps: int = 20) -> tuple[float, float]:
+    """Medians of a bare gRPC call in this process (no interceptors, no service code) beyond what its handler
+    slept: with no sleep, and with the handler first sleeping wait_ms (a target step). The difference is what
+    this host takes to wake threads that waited that long (a client blocked on the call, the server's poller),
+    which every Verify and Propose pays on top of gRPC's own cost."""
+    import statistics
+    from concurrent import futures
+
+    import grpc
+
+    def handler(request, context):
+        t0 = time.perf_counter()
+        time.sleep(float(request.decode()) / 1e3)
+        return repr(time.perf_counter() - t0).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(handler)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary("/bench.Wait/Wait")
+    out = []
+    try:
+        for ms in (0.0, wait_ms):
+            call(b"0", timeout=10)
+            extra = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                slept = float(call(repr(ms).encode(), timeout=10))
+                extra.append((time.perf_counter() - t0 - slept) * 1e3)
+            out.append(statistics.median(extra))
+    finally:
+        channel.close()
+        server.stop(0)
+    return out[0], out[1]
+
+
+def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, model_reps: int = 6,
+                      step_ms: float = 50.0) -> dict:
     """Loopback costs around the models, measured against the running services.
 
     * an empty unary RPC (TargetService.GetInfo) and the orchestrator's per-step Redis commit;
@@ -487,6 +526,8 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         rtimes.append((time.perf_counter() - t0) * 1e3)
     store.delete(rec.session_id)
     out["redis_commit_ms"] = med(rtimes)
+    out["grpc_bare_ms"], out["grpc_bare_after_wait_ms"] = bare_grpc_cost(step_ms)
+    out["grpc_wait_ms"] = step_ms
     out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
                                           + out["redis_commit_ms"])
     # --draft local:ngram drafts inside the orchestrator: no Propose round trip
@@ -494,7 +535,9 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     out["note"] = (f"medians; Verify with k={k} drafts and Propose of k={k} tokens ({model_reps} calls each), GetInfo "
                    f"and Redis commit ({reps} each); *_rpc_overhead = client round trip - the model time the service "
                    "reports; per_step_system_overhead = Verify + Propose overheads + one Redis commit (the orchestrator's "
-                   "own Python per step is on top)")
+                   "own Python per step is on top); grpc_bare_ms / grpc_bare_after_wait_ms: a bare gRPC call in the "
+                   "benchmark process beyond its handler's sleep, without one and after sleeping grpc_wait_ms (a target "
+                   "step): the difference is this host waking threads that waited, part of every call's overhead")
     return out
 
 
@@ -872,7 +915,7 @@ def run(args: argparse.Namespace) -> dict:
         first = ids[prompts[0].name]
         micro = microbench(target, draft, first, args.draft_lens)
         phase("microbench")
-        overheads = measure_overheads(services, first, k=max(args.draft_lens))
+        overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"])
         phase("overheads")
 
         batched = "target-batched" in services.addresses

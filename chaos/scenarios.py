@@ -323,11 +323,16 @@ class ChaosHarness:
         self.baseline["stall_bound_ms"] = self.stall_bound(target_step_ms)["bound_ms"]
 
     def draft_deadline_ms(self, target_step_ms: float) -> float:
-        """The orchestrator's draft deadline: max(floor, factor x target step), the budget scaled by
-        (1 + context/128) for a call that must prefill (failover, probe); the longest context is taken."""
+        """The longest draft deadline the orchestrator gives a call here (Generation._draft_timeout_s): max(floor,
+        factor x target step, k drafted tokens each capped at a step), and for a call that must prefill (failover,
+        or a half-open replica probed again after failing over away from it) that budget scaled by
+        (1 + context/128), or the budget plus factor x context x the prefill rate per token, a rate capped at a
+        target step (timeouts raise it there); the longest context is taken."""
         o = self.opts
         max_ctx = max(len(p) if isinstance(p, list) else 4 * len(p) for p in self.prompts) + o.max_new_tokens
-        return max(o.draft_timeout_floor_ms, o.draft_timeout_factor * target_step_ms * (1 + max_ctx / 128))
+        budget = o.draft_timeout_factor * max(target_step_ms, o.draft_len * target_step_ms)
+        prefill = max(budget * (1 + max_ctx / 128), budget + o.draft_timeout_factor * max_ctx * target_step_ms)
+        return max(o.draft_timeout_floor_ms, prefill)
 
     def stall_bound(self, target_step_ms: float) -> dict:
         """The longest stall a draft fault may cause, for the target step measured during the scenario.

@@ -134,7 +134,11 @@ def test_stall_bound_counts_the_longest_fault_free_step():
     h.opts = ChaosOptions(draft_timeout_floor_ms=100.0, draft_timeout_factor=2.0)
     h.prompts = [[1] * 10]
     h.baseline = {"target_step_ms": 3.0, "step_p95_ms": 27.0, "max_stall_ms": 37.0, "stall_steps": 6}
+    # D: a call that must prefill its context (74 tokens: 10 + 64 new) on a half-open replica may wait the budget
+    # (factor x 4 drafted tokens x the step = 24 ms) plus factor x context x the step (the prefill rate's cap)
     b = h.stall_bound(3.0)
-    assert b["draft_deadline_ms"] == 100.0 and b["bound_ms"] == 100.0 + 6 * 37.0
+    assert b["draft_deadline_ms"] == 24.0 + 2 * 74 * 3.0 and b["bound_ms"] == 468.0 + 6 * 37.0
     slow = h.stall_bound(6.0)  # the target itself ran 2x slower during the fault: host contention
-    assert slow["contention"] == 2.0 and slow["bound_ms"] == 100.0 + 6 * 37.0 * 2.0
+    assert slow["contention"] == 2.0 and slow["bound_ms"] == 48.0 + 2 * 74 * 6.0 + 6 * 37.0 * 2.0
+    h.opts = ChaosOptions(draft_timeout_floor_ms=1000.0, draft_timeout_factor=2.0)  # the floor, where it is longer
+    assert h.stall_bound(3.0)["draft_deadline_ms"] == 1000.0
