@@ -237,11 +237,12 @@ class ChaosHarness:
             return {}
         return {r["address"]: r.get("breaker", "?") for r in (_find_replicas(outline) or [])}
 
-    def wait_breakers_not_open(self, timeout: float = 15.0) -> bool:
+    def wait_breakers(self, timeout: float = 15.0, states: tuple = ("closed", "half_open")) -> bool:
+        """Wait until every replica's breaker (as the orchestrator's outline reports it) is in one of `states`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             b = self.breakers()
-            if b and all(s != "open" for s in b.values()):
+            if b and all(s in states for s in b.values()):
                 return True
             time.sleep(0.2)
         return False
@@ -265,7 +266,7 @@ class ChaosHarness:
             s.start_orchestrator()
         with SpecdecClient(self.address) as c:
             c.wait_ready(60)
-        self.wait_breakers_not_open()
+        self.wait_breakers()
 
     # -- prompts, references, baseline ---------------------------------------------------------------
 
@@ -420,7 +421,10 @@ class DraftFault(Fault):
         return self._set_victims([self.rng.choice(preferred or list(range(len(addrs))))])[0]
 
     def settle(self, timeout: float) -> bool:
-        return self.h.wait_breakers_not_open(timeout)
+        # Closed, not merely half-open: a call to the healed replica succeeded. A half-open breaker can still take a
+        # probe that started during the fault and fails after the heal, and open again for seconds: then the
+        # post-heal requests never reach the healed replica (a clean-clone run: healed_replica_serving false).
+        return self.h.wait_breakers(timeout, ("closed",))
 
 
 class KillDraft(DraftFault):
@@ -465,7 +469,7 @@ class SlowDraft(DraftFault):
                 self.h.restart_draft(i, with_latency_flag=True)
                 restarted = True
         if restarted:
-            self.h.wait_breakers_not_open()
+            self.h.wait_breakers()
 
     def inject(self):
         self.h.set_latency(self.choose_one(), True)

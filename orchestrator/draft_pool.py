@@ -59,6 +59,13 @@ class CircuitBreaker:
             if self.state == HALF_OPEN or self.failures >= self.failure_threshold:
                 self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
 
+    def no_call(self) -> None:
+        """The caller allow() let through made no call after all (its block was already prefetched): a half-open
+        breaker's probe is still to come, so the next caller may make it (else the replica stayed half-open with a
+        probe 'in flight' that never ends, and no session could use it again)."""
+        with self._lock:
+            self._probe_in_flight = False
+
     def health_ok(self) -> None:
         """A passing health check shortens an open breaker to half-open (probe on the next call)."""
         with self._lock:

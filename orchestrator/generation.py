@@ -484,6 +484,7 @@ class Generation:
         if reply is None or self.prefetched_for != (len(self.rec.committed), replica.address):
             return None, False
         self.rec.stats["pipeline_hits"] += 1
+        replica.breaker.no_call()  # pick() may have let this step through as a half-open breaker's probe
         reply.tokens, reply.probs, reply.scores = reply.tokens[:k], reply.probs[:k], reply.scores[:k]
         return reply, False
 

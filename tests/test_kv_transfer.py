@@ -168,6 +168,15 @@ def test_a_prompt_longer_than_the_export_limit_imports_its_first_positions(redis
     per_position = wire.kv_nbytes(cfg.num_hidden_layers, cfg.num_key_value_heads, 1,
                                   cfg.hidden_size // cfg.num_attention_heads)
     monkeypatch.setattr(TargetServicer, "MAX_KV_EXPORT_BYTES", 10 * per_position)
+    from draft_service.int8_draft import LeanCachedLM
+
+    imported, original = [], LeanCachedLM.import_kv
+
+    def spy(self, sess, tokens, keys, values):
+        imported.append(len(tokens))
+        return original(self, sess, tokens, keys, values)
+
+    monkeypatch.setattr(LeanCachedLM, "import_kv", spy)
     prompt = [(5 * i) % 60 + 1 for i in range(40)]
     s = start_stack(redis_url, draft=INT8_SELF)
     try:
@@ -175,6 +184,7 @@ def test_a_prompt_longer_than_the_export_limit_imports_its_first_positions(redis
         spec = s.client.generate(prompt, max_new_tokens=20, max_draft_len=4, ignore_eos=True)
         assert spec.token_ids == ref.token_ids
         assert spec.stats["kv_imports"] == 1 and spec.stats["draft_failures"] == 0
+        assert imported == [10]  # the first 10 positions; the draft took in the other 29 itself
         assert spec.stats["draft_tokens_accepted"] > 0
     finally:
         s.stop()

@@ -1,0 +1,55 @@
+"""The draft replicas' circuit breaker: closed -> open -> half-open with one probe -> closed or open again."""
+
+from __future__ import annotations
+
+import types
+
+from orchestrator.clients import DraftReply
+from orchestrator.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from orchestrator.generation import Generation
+
+
+def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed_probe(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("orchestrator.draft_pool.time.monotonic", lambda: now[0])
+    b = CircuitBreaker(open_s=1.0, max_open_s=3.0, failure_threshold=2)
+    b.failure()
+    assert b.state == CLOSED and b.allow()
+    b.failure()
+    assert b.state == OPEN and not b.allow()
+    now[0] += 1.0  # the back-off is over: one caller probes, the others wait for its outcome
+    assert b.allow() and b.state == HALF_OPEN and not b.allow()
+    b.failure()  # the probe failed: open again, twice as long
+    assert b.state == OPEN and b.open_s == 2.0
+    now[0] += 1.5
+    assert not b.allow()
+    now[0] += 0.5
+    assert b.allow()
+    b.failure()
+    assert b.open_s == 3.0  # capped at max_open_s
+    b.health_ok()  # a passing health check: probe on the next call without waiting out the back-off
+    assert b.state == HALF_OPEN and b.allow()
+    b.success()
+    assert (b.state, b.failures, b.open_s) == (CLOSED, 0, 1.0) and b.allow()
+
+
+def test_a_probe_slot_taken_by_a_step_that_made_no_call_is_given_back():
+    """A step that pick() let through a half-open breaker but that used a prefetched block made no call: the next
+    caller must be able to probe, or the replica would stay half-open with a probe in flight for ever."""
+    b = CircuitBreaker(open_s=1.0, failure_threshold=1)
+    b.failure()
+    b.health_ok()
+    assert b.allow() and not b.allow()
+    b.no_call()
+    assert b.state == HALF_OPEN and b.allow()
+
+    replica = types.SimpleNamespace(address="draft:1", breaker=CircuitBreaker(open_s=1.0, failure_threshold=1))
+    replica.breaker.failure()
+    replica.breaker.health_ok()
+    assert replica.breaker.allow()  # the step's pick()
+    rec = types.SimpleNamespace(committed=[1, 2, 3], stats={"pipeline_hits": 0})
+    gen = types.SimpleNamespace(rec=rec, prefetched=DraftReply([7, 8], [], 5, 1.0, False),
+                                prefetched_for=(3, "draft:1"))
+    reply, failed = Generation._take_prefetched(gen, replica, 2)
+    assert reply.tokens == [7, 8] and not failed and rec.stats["pipeline_hits"] == 1
+    assert replica.breaker.allow()  # the probe is still to come
