@@ -549,7 +549,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
 def _sum_stats(samples: list[Sample]) -> dict:
     keys = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "decode_steps", "fallback_steps",
             "draft_failures", "draft_ms", "verify_ms", "wall_ms", "pipeline_prefetches", "pipeline_hits",
-            "load_shed_steps", "decode_ms", "draft_tokens_trimmed")
+            "load_shed_steps", "decode_ms", "draft_tokens_trimmed", "prefill_ms", "kv_imports")
     out = {k: sum(float(s.stats.get(k, 0) or 0) for s in samples) for k in keys}
     kinds: dict[str, float] = {}
     for s in samples:
@@ -622,10 +622,12 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
             "target_verify": st["verify_ms"] / st["verify_steps"] if st["verify_steps"] else None,
             "target_decode": st["decode_ms"] / st["decode_steps"] if st["decode_steps"] else None,
             "draft_propose": st["draft_ms"] / st["verify_steps"] if st["verify_steps"] else None,
-            "rpc_and_orchestrator_overhead": ((st["wall_ms"] - st["draft_ms"] - st["verify_ms"] - st["decode_ms"])
+            "rpc_and_orchestrator_overhead": ((st["wall_ms"] - st["draft_ms"] - st["verify_ms"] - st["decode_ms"]
+                                               - st["prefill_ms"])
                                               / steps if exact else None),
             "store_and_stream_overhead": (client_ms - st["wall_ms"]) / steps,
-            "note": "rpc_and_orchestrator_overhead = (orchestrator step time - draft_ms - verify_ms - decode_ms) "
+            "note": "rpc_and_orchestrator_overhead = (orchestrator step time - draft_ms - verify_ms - decode_ms - "
+                    "prefill_ms) "
                     "per step, where not pipelined (draft and verify overlap); store_and_stream = client wall - "
                     "orchestrator step time (Redis commit, streaming, session setup)",
         }

@@ -50,7 +50,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             stoppable = getattr(self.proposer, "stoppable", False)
             extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
             if request.HasField("kv"):
-                extra["kv"] = self._imported_kv(request, delta)
+                extra["kv"] = self._imported_kv(request)
                 s.set_attribute("kv_imported", request.kv.length)
             proposal = self.proposer.get_candidates(
                 sid, request.delta.prefix_len, delta, request.max_draft_len, params,
@@ -65,17 +65,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             token_scores=proposal.scores or []
         )
 
-    def _imported_kv(self, request, delta: list[int]):
-        """The request's KvBlock as (keys, values), after checking it is this draft's kind and fits the request."""
+    def _imported_kv(self, request):
+        """The request's KvBlock as (keys, values), after checking it is this draft's kind (where it goes in the
+        session is the proposer's check: get_candidates)."""
         kv = request.kv
         if not self.info.kv_fingerprint or kv.fingerprint != self.info.kv_fingerprint:
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
                            "this draft cannot take that KV (it holds KV of other weights, or none from elsewhere): "
                            "send the context without it")
-        if request.delta.prefix_len != 0 or not 1 <= kv.length < len(delta):
-            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"KV of {kv.length} positions needs a new session's context (prefix_len 0) of more tokens "
-                           f"(got prefix_len {request.delta.prefix_len}, {len(delta)} tokens)")
         return wire.decode_kv(kv, *self.proposer.kv_dims)
 
     MAX_TREE_NODES = 64

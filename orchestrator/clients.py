@@ -101,8 +101,6 @@ class DraftClient:
         ``kv``: the target's KV of committed's first kv.length tokens (pos must be 0), installed instead of a
         prefill."""
         sampling = wire.sampling_to_proto(params, seed)
-        if kv is not None and pos != 0:
-            raise ValueError("KV goes with the whole context (pos 0)")
 
         def call(delta):
             return self.stub.Propose(

@@ -40,7 +40,7 @@ COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "f
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
             "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
             "parallel_prefills", "kv_imports")
-TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms")
+TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms", "prefill_ms")
 STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
 
 
@@ -450,6 +450,7 @@ class Generation:
                 or info.kv_fingerprint != fingerprint or rec.draft_pos != 0
                 or len(rec.committed) - 1 < self.PARALLEL_PREFILL_MIN_TOKENS or is_local(replica.address)):
             return None
+        t0 = time.perf_counter()
         try:
             with telemetry.span("orchestrator.target_kv", session_id=rec.session_id):
                 reply = self.target.prefill(rec.session_id, rec.committed[:-1],
@@ -459,8 +460,9 @@ class Generation:
             log.info("target prefill for the draft's KV failed", extra={"session_id": rec.session_id,
                                                                          "code": e.code().name})
             return None
-        if reply.cached_len <= len(rec.committed):
-            rec.target_pos = reply.cached_len
+        finally:  # the step waits for it: neither drafting nor verifying (the stats' overhead must not hold it)
+            rec.stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3
+        self._target_prefilled(reply.cached_len)
         if not reply.HasField("kv") or not 1 <= reply.kv.length < len(rec.committed):
             return None
         rec.stats["kv_imports"] += 1
@@ -474,6 +476,10 @@ class Generation:
         except grpc.RpcError as e:  # the Verify resends what the target lacks
             log.info("parallel prefill failed", extra={"session_id": self.rec.session_id, "code": e.code().name})
             return
+        self._target_prefilled(held)
+
+    def _target_prefilled(self, held: int) -> None:
+        """A Prefill left the target holding `held` tokens: the next call sends only the rest."""
         if held <= len(self.rec.committed):
             self.rec.target_pos = held
 

@@ -230,6 +230,7 @@ def test_a_long_prompt_is_prefilled_by_target_and_draft_at_once(redis_url, draft
         assert spec.token_ids == ref.token_ids
         assert spec.stats["parallel_prefills"] == (1 if draft == DRAFT_EARLY else 0)
         assert spec.stats["kv_imports"] == (1 if draft == INT8_SELF else 0)
+        assert (spec.stats["prefill_ms"] > 0) == (draft == INT8_SELF)  # the step waited for the target's Prefill
         assert spec.stats["target_resyncs"] == 0 and spec.stats["draft_failures"] == 0
         assert spec.stats["draft_tokens_accepted"] > 0
         if draft == INT8_SELF:  # --draft-prefill own: the int8 copy prefills itself, beside the target

@@ -68,10 +68,10 @@ class ModelProposer(Proposer):
             if should_stop is not None and should_stop():
                 return Proposal([], None, len(sess.tokens))
             if kv is not None:
-                if prefix_len != 0 or kv[0].shape[2] >= len(delta):
-                    raise ValueError("KV comes with a new session's whole context (prefix_len 0), for all but at "
-                                     "least its last token")
                 n = kv[0].shape[2]
+                if prefix_len != 0 or n >= len(delta):
+                    raise ValueError(f"KV of {n} positions needs a new session's context (prefix_len 0) of more "
+                                     f"tokens (got prefix_len {prefix_len}, {len(delta)} tokens)")
                 self.lm.import_kv(sess, list(delta[:n]), *kv)
                 prefix_len, delta = n, delta[n:]
             with self.lm.proposing(session_id):  # a batching runtime lets the other sessions' steps wait for ours
