@@ -79,7 +79,8 @@ def markdown(res: dict) -> str:
                         "speedup vs target-only after the first streamed tokens (prefill left out)"),
                        ("measured_over_predicted_decode_phase", "measured / predicted, after the first streamed tokens"),
                        ("throughput_8_sessions_vs_1",
-                        f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})")]:
+                        f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})"),
+                       ("system_overhead_share", "gRPC + Redis overhead per step on the critical path / target step")]:
         lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")
     lines += ["", "## Targets", "", "| target | value | met | measurement / why |", "|---|---|---|---|"]
     for t in res["targets"].values():
@@ -175,18 +176,27 @@ def markdown(res: dict) -> str:
               f"{_f(ov.get('per_step_system_overhead_local_draft_ms'), 1)} ms "
               f"({_f(100 * (ov.get('per_step_system_overhead_local_draft_ms') or 0) / mb['target_step_ms'], 1)}%)", ""]
     lines += ["| configuration | client ms/step | target verify ms/step | draft ms/step | RPC + orchestrator overhead "
-              "ms/step | store + stream ms/step |", "|---|---|---|---|---|---|"]
+              "ms/step | store + stream ms/step | gRPC overhead on the critical path ms/step | Redis commit ms/step "
+              "| prefetch wait ms/step | gRPC + Redis / target step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
         p = c.get("per_step_ms")
         if p:
+            share = c.get("system_overhead_share")
             lines.append(f"| {c['name']} | {_f(p['client_wall'], 1)} | {_f(p['target_verify'], 1)} | "
                          f"{_f(p['draft_propose'], 1)} | {_f(p['rpc_and_orchestrator_overhead'], 1)} | "
-                         f"{_f(p['store_and_stream_overhead'], 1)} |")
+                         f"{_f(p['store_and_stream_overhead'], 1)} | {_f(p.get('rpc_overhead'), 2)} | "
+                         f"{_f(p.get('redis_commit'), 2)} | {_f(p.get('prefetch_wait'), 2)} | "
+                         f"{_f(100 * share, 1) + '%' if share is not None else 'n/a'} |")
     lines += ["", "Per configuration, from the orchestrator's stats: RPC + orchestrator overhead = orchestrator step "
               "time minus the draft and target time the services report (n/a where the step mix includes target "
               "Decode steps, whose time the stats do not carry, and for pipelined configurations, where draft and "
               "verify overlap); store + stream = "
-              "client wall minus orchestrator step time (Redis commit, streaming, session setup).", ""]
+              "client wall minus orchestrator step time (Redis commit, streaming, session setup). gRPC overhead on "
+              "the critical path = per call the loop waited for (Verify, Decode, a Propose that was not prefetched) "
+              "its round trip minus the time the service reports (`rpc_overhead_ms`); a prefetched Propose overlaps "
+              "the verify and is not in it, the time a step still waited for one after its verify is the prefetch "
+              "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`; the share divides gRPC + Redis by the "
+              "target step above.", ""]
     return "\n".join(lines)
 
 

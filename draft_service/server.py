@@ -45,19 +45,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             time.sleep(self.inject_latency_ms / 1e3)
         if request.tree_budget and hasattr(self.proposer, "get_tree"):
             return self._propose_tree(sid, request, params, delta)
-        with telemetry.span("draft.propose", session_id=sid, max_draft_len=request.max_draft_len) as s:
-            t0 = time.perf_counter()
-            stoppable = getattr(self.proposer, "stoppable", False)
-            extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
-            if request.HasField("kv"):
-                extra["kv"] = self._imported_kv(request)
-                s.set_attribute("kv_imported", request.kv.length)
-            proposal = self.proposer.get_candidates(
-                sid, request.delta.prefix_len, delta, request.max_draft_len, params,
-                request.sampling.seed, request.step, request.min_confidence, **extra,
-            )
-            ms = (time.perf_counter() - t0) * 1e3
-            s.set_attribute("draft_tokens", len(proposal.tokens))
+        s = telemetry.annotate(session_id=sid, max_draft_len=request.max_draft_len)
+        t0 = time.perf_counter()
+        stoppable = getattr(self.proposer, "stoppable", False)
+        extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
+        if request.HasField("kv"):
+            extra["kv"] = self._imported_kv(request)
+            s.set_attribute("kv_imported", request.kv.length)
+        proposal = self.proposer.get_candidates(
+            sid, request.delta.prefix_len, delta, request.max_draft_len, params,
+            request.sampling.seed, request.step, request.min_confidence, **extra,
+        )
+        ms = (time.perf_counter() - t0) * 1e3
+        s.set_attribute("draft_tokens", len(proposal.tokens))
         telemetry.record_draft(ms)
         probs = [] if proposal.probs_fp16 is None else [wire.encode_distribution(r) for r in proposal.probs_fp16]
         return draft_pb2.ProposeResponse(
@@ -92,12 +92,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         default = TreeShape(budget=1)
         shape = TreeShape(budget=request.tree_budget, branch=request.tree_branch or default.branch,
                           branch_below=below or default.branch_below, max_depth=request.tree_max_depth)
-        with telemetry.span("draft.propose", session_id=sid, tree_budget=request.tree_budget) as s:
-            t0 = time.perf_counter()
-            proposal = self.proposer.get_tree(sid, request.delta.prefix_len, delta, shape, params,
-                                              request.sampling.seed, request.step)
-            ms = (time.perf_counter() - t0) * 1e3
-            s.set_attribute("draft_tokens", len(proposal.tokens))
+        s = telemetry.annotate(session_id=sid, tree_budget=request.tree_budget)
+        t0 = time.perf_counter()
+        proposal = self.proposer.get_tree(sid, request.delta.prefix_len, delta, shape, params,
+                                          request.sampling.seed, request.step)
+        ms = (time.perf_counter() - t0) * 1e3
+        s.set_attribute("draft_tokens", len(proposal.tokens))
         telemetry.record_draft(ms)
         probs = [] if proposal.probs_fp16 is None else [wire.encode_distribution(r) for r in proposal.probs_fp16]
         tree = common_pb2.TokenTree(parents=proposal.parents, tokens=proposal.tokens, probs=probs)

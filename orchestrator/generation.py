@@ -40,7 +40,8 @@ COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "f
             "draft_failures", "decode_steps", "replica_failovers", "target_resyncs", "pipeline_prefetches",
             "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
             "parallel_prefills", "kv_imports")
-TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms", "prefill_ms")
+TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms", "prefill_ms", "rpc_overhead_ms", "store_ms",
+          "prefetch_wait_ms")
 STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
 
 
@@ -267,6 +268,7 @@ class Generation:
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
         wall_ms = (time.perf_counter() - t0) * 1e3
+        rec.stats["rpc_overhead_ms"] += max(0.0, wall_ms - reply.draft_ms)
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
         sessions = self._sessions()
@@ -335,10 +337,12 @@ class Generation:
     def _verify(self, reply) -> list[int]:
         rec, stats = self.rec, self.rec.stats
         ctx = len(rec.committed)
+        t0 = time.perf_counter()
         with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
             v = self._target_call(lambda t: self.target.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
                 self.seed, rec.step, t, wait_for_ready=True), "verify")
+        stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - v.verify_ms)
         if self.target_cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
             self.target_cost.observe(len(reply.tokens) + 1, v.verify_ms)
             self.step_server_ms = v.verify_ms
@@ -359,10 +363,12 @@ class Generation:
     def _decode(self, n: int, degraded: bool) -> list[int]:
         rec, stats = self.rec, self.rec.stats
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
+        t0 = time.perf_counter()
         with telemetry.span("orchestrator.decode", session_id=rec.session_id, n=n, degraded=degraded):
             d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
+        stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - d.decode_ms)
         if self.target_cost is not None and plain and d.tokens:
             self.target_cost.observe(1, d.decode_ms, calls=len(d.tokens))
             if not degraded:
@@ -555,7 +561,9 @@ class Generation:
                 self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())
             return
         finally:  # waiting for the draft is drafting time, not the orchestrator's own (TargetCost.observe_step)
-            self.step_draft_ms += (time.perf_counter() - t0) * 1e3
+            waited = (time.perf_counter() - t0) * 1e3
+            self.step_draft_ms += waited
+            self.rec.stats["prefetch_wait_ms"] += waited
         if (full and len(r.tokens) > 1 and r.tokens[0] == new[-1] and all(t < self.vocab_size for t in r.tokens)
                 and _valid_distributions(r.probs, self.vocab_size)
                 and (self.params.is_greedy or len(r.probs) in (0, len(r.tokens)))):
@@ -633,8 +641,10 @@ class Generation:
             if degraded:
                 rec.stats["degraded_ms"] += step_ms
                 metrics.record_degraded(step_ms / 1e3)
+            t_store = time.perf_counter()
             if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
                 self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
+            rec.stats["store_ms"] += (time.perf_counter() - t_store) * 1e3
             if self.target_cost is not None and self.step_server_ms is not None:
                 self.target_cost.observe_step((time.perf_counter() - t0) * 1e3 - self.step_draft_ms,
                                               self.step_server_ms)

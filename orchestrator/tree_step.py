@@ -9,6 +9,8 @@ Pipelining and the adaptive draft length apply to chains only.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from orchestrator import metrics
@@ -33,6 +35,7 @@ def _propose_tree(gen, replica, max_depth: int):
     chain_len = max(1, min(cfg.tree_budget, cfg.max_draft_len, max_depth))
     tree = dict(tree_budget=cfg.tree_budget, tree_branch=cfg.tree_branch, tree_branch_below=cfg.tree_branch_below,
                 tree_max_depth=max_depth)
+    t0 = time.perf_counter()
     try:
         with telemetry.span("orchestrator.draft", session_id=rec.session_id, tree_budget=cfg.tree_budget,
                             replica=replica.address):
@@ -54,6 +57,7 @@ def _propose_tree(gen, replica, max_depth: int):
         return None, True
     replica.breaker.success()
     rec.stats["draft_ms"] += reply.draft_ms
+    rec.stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - reply.draft_ms)
     if not reply.tokens:
         rec.draft_pos = min(len(rec.committed), reply.cached_len)
         return None, False
@@ -64,10 +68,12 @@ def _verify_tree(gen, reply) -> list[int]:
     rec, stats = gen.rec, gen.rec.stats
     ctx = len(rec.committed)
     n = len(reply.tokens)
+    t0 = time.perf_counter()
     with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=n, tree=True):
         v = gen._target_call(lambda t: gen.target.verify(
             rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, gen.params, gen.seed,
             rec.step, t, wait_for_ready=True, tree_parents=reply.tree_parents), "verify")
+    stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - v.verify_ms)
     path = list(v.accepted_nodes)
     node = -1
     for i in path:  # the accepted nodes must be a root path of the tree we sent

@@ -337,7 +337,7 @@ class TargetEngine:
             for _ in range(max_tokens):
                 last = self.lm.extend(sess, new, keep=1)[-1]
                 if params.is_greedy:
-                    token = int(torch.argmax(last))
+                    token = int(sampling.greedy_tokens(last))
                 else:
                     token = int(sampling.sample(sampling.warp_probs(last, params), gen))
                 out.append(token)

@@ -47,13 +47,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Prefill(self, request, context):
         sid = require_session_id(request.session_id)
         prefix_len, delta = self._delta(request.delta)
-        with telemetry.span("target.prefill", session_id=sid, tokens=len(delta), export_kv=request.export_kv):
-            reply = target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
-            if request.export_kv and self.info.kv_fingerprint:
-                kv = self.engine.export_kv(sid, self.MAX_KV_EXPORT_BYTES)
-                if kv is not None:
-                    reply.kv.CopyFrom(wire.encode_kv(*kv, self.info.kv_fingerprint))
-            return reply
+        telemetry.annotate(session_id=sid, tokens=len(delta), export_kv=request.export_kv)
+        reply = target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
+        if request.export_kv and self.info.kv_fingerprint:
+            kv = self.engine.export_kv(sid, self.MAX_KV_EXPORT_BYTES)
+            if kv is not None:
+                reply.kv.CopyFrom(wire.encode_kv(*kv, self.info.kv_fingerprint))
+        return reply
 
     # A KV export holds at most this much (the first positions that fit; the draft prefills the rest itself): under
     # the 8 MiB message limit with room for the Propose request around it. SmolLM2-135M: 22.5 KiB a position.
@@ -75,8 +75,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         probs = None
         if not params.is_greedy:
             probs = wire.decode_distributions(request.draft_probs, self.engine.vocab_size, len(draft))
-        with telemetry.span("target.verify", session_id=sid, draft_tokens=len(draft)):
-            out = self.engine.verify(sid, prefix_len, delta, draft, probs, params, request.sampling.seed, request.step)
+        telemetry.annotate(session_id=sid, draft_tokens=len(draft))
+        out = self.engine.verify(sid, prefix_len, delta, draft, probs, params, request.sampling.seed, request.step)
         telemetry.record_verify(len(draft), out.num_accepted, out.verify_ms)
         return target_pb2.VerifyResponse(
             num_accepted=out.num_accepted, next_token=out.next_token, cached_len=out.cached_len, verify_ms=out.verify_ms
@@ -99,9 +99,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         probs = None
         if not params.is_greedy:
             probs = wire.decode_distributions(msg.probs, self.engine.vocab_size, len(tokens))
-        with telemetry.span("target.verify", session_id=sid, draft_tokens=len(tokens), tree=True):
-            out = self.engine.verify(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
-                                     request.step, tree_parents=parents)
+        telemetry.annotate(session_id=sid, draft_tokens=len(tokens), tree=True)
+        out = self.engine.verify(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
+                                 request.step, tree_parents=parents)
         telemetry.record_verify(len(tokens), out.num_accepted, out.verify_ms)
         return target_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token=out.next_token,
                                          cached_len=out.cached_len, verify_ms=out.verify_ms,
@@ -116,11 +116,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise RpcAbort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{self.max_decode_tokens}"
             )
-        with telemetry.span("target.decode", session_id=sid, max_tokens=request.max_tokens):
-            tokens, cached_len, ms = self.engine.decode(
-                sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
-                set(request.stop_token_ids),
-            )
+        telemetry.annotate(session_id=sid, max_tokens=request.max_tokens)
+        tokens, cached_len, ms = self.engine.decode(
+            sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
+            set(request.stop_token_ids),
+        )
         return target_pb2.DecodeResponse(tokens=tokens, cached_len=cached_len, decode_ms=ms)
 
     @handle_errors

@@ -80,6 +80,17 @@ def test_is_greedy():
 # --------------------------------------------------------------------------------------------
 
 
+def test_greedy_tokens_is_torch_argmax_ties_included():
+    from specdec.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for _ in range(50):
+            x = torch.randint(0, 3, (4, 997), generator=g).to(dtype)  # many ties for the maximum
+            assert torch.equal(greedy_tokens(x), torch.argmax(x, dim=-1))
+            assert int(greedy_tokens(x[0])) == int(torch.argmax(x[0]))
+
+
 def test_greedy_is_one_hot_at_first_max():
     logits = torch.tensor([[0.1, 3.0, 3.0, -1.0], [5.0, 1.0, 5.0, 0.0]])
     out = warp_probs(logits, SamplingParams())

@@ -82,7 +82,7 @@ class ModelProposer(Proposer):
                 for _ in range(max_len):
                     logits = self.lm.extend(sess, new, keep=1)[-1]
                     if params.is_greedy:
-                        token = int(torch.argmax(logits))
+                        token = int(sampling.greedy_tokens(logits))
                         confidence = float(torch.softmax(logits, -1)[token])
                     else:
                         # Sample from the float16-rounded q that goes on the wire, so the verifier sees the same q.
