@@ -637,7 +637,8 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
                     "per step, where not pipelined (draft and verify overlap); store_and_stream = client wall - "
                     "orchestrator step time (Redis commit, streaming, session setup); rpc_overhead = the orchestrator's "
                     "rpc_overhead_ms stat per step: for each call the loop waited for (Verify, Decode, a Propose not "
-                    "prefetched) its round trip minus the service's reported time; redis_commit = its store_ms stat "
+                    "prefetched and not carrying the prompt's KV, which is prefill_ms) its round trip minus the "
+                    "service's reported time; redis_commit = its store_ms stat "
                     "(the per-step commit); prefetch_wait = time a step waited for a prefetched block after its verify",
         }
         if st["rpc_overhead_ms"] or st["store_ms"]:

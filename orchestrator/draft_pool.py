@@ -87,6 +87,35 @@ class DraftReplica:
         self.health_stub = None if self.client.channel is None else health_pb2_grpc.HealthStub(self.client.channel)
         self.info = None
         self.refused: str | None = None  # set when the replica turned out incompatible; never used then
+        self.watch = None  # the Health.Watch stream held open on the replica's channel (watch_health)
+
+    def watch_health(self) -> None:
+        """Follow the replica's Health.Watch stream: a replica that goes away or reports itself not serving (a
+        graceful shutdown) opens the breaker at once instead of at the next poll, and the stream is ended then (a
+        stopping server would otherwise wait out its grace period for it). The standing call also keeps grpc's
+        per-channel event thread alive: grpc starts that thread whenever a call that is not blocking (a pipelined
+        prefetch's future) finds no other such call in flight, and ends it after; ~0.2-0.3 ms more per prefetched
+        Propose here without a standing call."""
+        if self.health_stub is None or (self.watch is not None and self.watch.running()):
+            return
+        try:
+            self.watch = self.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        except ValueError:  # the channel is closed: shutting down
+            return
+        threading.Thread(target=self._follow, args=(self.watch,), name="draft-watch", daemon=True).start()
+
+    def _follow(self, call) -> None:
+        try:
+            for msg in call:
+                if msg.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.breaker.health_failed()
+                    call.cancel()
+                    return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.breaker.health_failed()
+        except ValueError:  # the channel was closed under it
+            pass
 
     def check_health(self, timeout: float) -> bool:
         try:
@@ -107,6 +136,9 @@ class LocalDraftReplica(DraftReplica):
 
     def check_health(self, timeout: float) -> bool:
         return True
+
+    def watch_health(self) -> None:
+        pass
 
 
 def _rank(session_id: str, address: str) -> int:
@@ -136,13 +168,18 @@ class DraftPool:
         self.health_timeout_s = health_timeout_s
         self.on_info = on_info  # called with (replica, ModelInfo) the first time a replica answers GetInfo
         self._stop = threading.Event()
+        for r in self.replicas:
+            r.watch_health()
         self._thread = threading.Thread(target=self._health_loop, name="draft-health", daemon=True)
         self._thread.start()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval_s):
             for r in self.replicas:
-                if r.check_health(self.health_timeout_s) and r.info is None and self.on_info is not None:
+                healthy = r.check_health(self.health_timeout_s)
+                if healthy and not self._stop.is_set():
+                    r.watch_health()  # again, once a replica that went away answers
+                if healthy and r.info is None and self.on_info is not None:
                     try:
                         r.info = r.client.info(timeout=self.health_timeout_s * 3)
                         self.on_info(r, r.info)
@@ -176,4 +213,6 @@ class DraftPool:
     def close(self) -> None:
         self._stop.set()
         for r in self.replicas:
+            if r.watch is not None:
+                r.watch.cancel()
             r.client.close()

@@ -248,7 +248,7 @@ class Generation:
         catching_up = intake > self.cfg.max_draft_len + 1
         timeout_s = self._draft_timeout_s(k)
         try:
-            with telemetry.span("orchestrator.draft", session_id=rec.session_id, k=k, replica=replica.address):
+            with telemetry.call_attributes(session_id=rec.session_id, k=k, replica=replica.address):
                 reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, self.params,
                                                self.seed, rec.step, timeout_s, self.cfg.draft_min_confidence,
                                                kv=kv)
@@ -268,7 +268,9 @@ class Generation:
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
         wall_ms = (time.perf_counter() - t0) * 1e3
-        rec.stats["rpc_overhead_ms"] += max(0.0, wall_ms - reply.draft_ms)
+        # A Propose carrying the target's KV spends its extra round-trip time moving the prompt's KV (MBs): that is
+        # the prefill handover's cost (prefill_ms), not a decoding step's.
+        rec.stats["prefill_ms" if kv is not None else "rpc_overhead_ms"] += max(0.0, wall_ms - reply.draft_ms)
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
         sessions = self._sessions()
@@ -338,7 +340,7 @@ class Generation:
         rec, stats = self.rec, self.rec.stats
         ctx = len(rec.committed)
         t0 = time.perf_counter()
-        with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=len(reply.tokens)):
+        with telemetry.call_attributes(session_id=rec.session_id, k=len(reply.tokens)):
             v = self._target_call(lambda t: self.target.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
                 self.seed, rec.step, t, wait_for_ready=True), "verify")
@@ -364,7 +366,7 @@ class Generation:
         rec, stats = self.rec, self.rec.stats
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
         t0 = time.perf_counter()
-        with telemetry.span("orchestrator.decode", session_id=rec.session_id, n=n, degraded=degraded):
+        with telemetry.call_attributes(session_id=rec.session_id, n=n, degraded=degraded):
             d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
@@ -458,7 +460,7 @@ class Generation:
             return None
         t0 = time.perf_counter()
         try:
-            with telemetry.span("orchestrator.target_kv", session_id=rec.session_id):
+            with telemetry.call_attributes(session_id=rec.session_id):
                 reply = self.target.prefill(rec.session_id, rec.committed[:-1],
                                             min(rec.target_pos, len(rec.committed) - 1), self.cfg.target_timeout_s,
                                             export_kv=True)
@@ -535,8 +537,9 @@ class Generation:
         held = reply.cached_len  # the draft holds ctx + the drafts it fed itself, or less (a lagging hybrid)
         delta = reply.tokens[held - ctx:] if held >= ctx else rec.committed[held:] + reply.tokens
         rec.stats["pipeline_prefetches"] += 1
-        return replica.client.propose_async(rec.session_id, held, delta, n, self.params, self.seed,
-                                            rec.step + 1, self._draft_timeout_s(n) + 1.0)
+        with telemetry.call_attributes(session_id=rec.session_id, k=n, replica=replica.address, prefetch=True):
+            return replica.client.propose_async(rec.session_id, held, delta, n, self.params, self.seed,
+                                                rec.step + 1, self._draft_timeout_s(n) + 1.0)
 
     def _finish_prefetch(self, future, replica, reply, new: list[int]) -> None:
         full = len(new) == len(reply.tokens) + 1
@@ -606,7 +609,7 @@ class Generation:
         deadline = time.monotonic() + self.cfg.store_grace_s
         while True:
             try:
-                with telemetry.span("orchestrator.store", session_id=self.rec.session_id):
+                with telemetry.call_attributes(session_id=self.rec.session_id):
                     return fn()
             except LeaseLost as e:
                 log.warning("session lease lost; stopping this stream", extra={

@@ -37,7 +37,7 @@ def _propose_tree(gen, replica, max_depth: int):
                 tree_max_depth=max_depth)
     t0 = time.perf_counter()
     try:
-        with telemetry.span("orchestrator.draft", session_id=rec.session_id, tree_budget=cfg.tree_budget,
+        with telemetry.call_attributes(session_id=rec.session_id, tree_budget=cfg.tree_budget,
                             replica=replica.address):
             reply = replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, chain_len, gen.params,
                                            gen.seed, rec.step, gen._draft_timeout_s(cfg.tree_budget),
@@ -69,7 +69,7 @@ def _verify_tree(gen, reply) -> list[int]:
     ctx = len(rec.committed)
     n = len(reply.tokens)
     t0 = time.perf_counter()
-    with telemetry.span("orchestrator.verify", session_id=rec.session_id, k=n, tree=True):
+    with telemetry.call_attributes(session_id=rec.session_id, k=n, tree=True):
         v = gen._target_call(lambda t: gen.target.verify(
             rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, gen.params, gen.seed,
             rec.step, t, wait_for_ready=True, tree_parents=reply.tree_parents), "verify")

@@ -477,6 +477,21 @@ def span(name: str, **attributes):
         yield s
 
 
+_call_attrs: contextvars.ContextVar = contextvars.ContextVar("specdec_call_attributes", default=None)
+
+
+@contextlib.contextmanager
+def call_attributes(**attributes):
+    """Attributes for the CLIENT spans of the calls made inside this block (gRPC calls and ``traced`` store
+    calls): the orchestrator's step (session_id, k, ...) goes on the call's own span instead of an INTERNAL step
+    span wrapping a single call. Not metric attributes (a session id would make unbounded series)."""
+    token = _call_attrs.set({k: v for k, v in attributes.items() if v is not None})
+    try:
+        yield
+    finally:
+        _call_attrs.reset(token)
+
+
 def annotate(**attributes):
     """Set attributes on the current span (a service handler's: its RPC's SERVER span) and return it. A handler
     annotates its call's span rather than opening a child span that would only repeat it: every span costs the
@@ -501,7 +516,9 @@ class traced:
         self._local = threading.local()
 
     def _cm(self):
-        return _tracer.start_as_current_span(self.name, kind=self.kind, attributes=self.attributes)
+        extra = _call_attrs.get()
+        return _tracer.start_as_current_span(self.name, kind=self.kind,
+                                             attributes={**self.attributes, **extra} if extra else self.attributes)
 
     def __call__(self, fn):
         @functools.wraps(fn)
@@ -597,7 +614,9 @@ def client_interceptor(address: str = ""):
             if info is None:
                 return continuation(details, request)
             name, span_attrs, attrs = info
-            s = _tracer.start_span(name, kind=SpanKind.CLIENT, attributes=span_attrs)
+            extra = _call_attrs.get()
+            s = _tracer.start_span(name, kind=SpanKind.CLIENT,
+                                   attributes={**span_attrs, **extra} if extra else span_attrs)
             metadata = list(details.metadata or ())
             carrier: dict = {}
             propagate.inject(carrier, context=trace.set_span_in_context(s))

@@ -1,8 +1,12 @@
-"""The draft replicas' circuit breaker: closed -> open -> half-open with one probe -> closed or open again."""
+"""The draft replicas' circuit breaker (closed -> open -> half-open with one probe -> closed or open again) and the
+pool's health watch."""
 
 from __future__ import annotations
 
+import time
 import types
+
+import pytest
 
 from orchestrator.clients import DraftReply
 from orchestrator.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
@@ -53,3 +57,32 @@ def test_a_probe_slot_taken_by_a_step_that_made_no_call_is_given_back():
     reply, failed = Generation._take_prefetched(gen, replica, 2)
     assert reply.tokens == [7, 8] and not failed and rec.stats["pipeline_hits"] == 1
     assert replica.breaker.allow()  # the probe is still to come
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.parametrize("grace", [0.0, 5.0])
+def test_health_watch_opens_the_breaker_when_a_replica_goes_away(grace):
+    """The pool follows each replica's Health.Watch stream: a stopped replica (killed: grace 0; graceful: it says
+    NOT_SERVING first) opens its breaker without waiting for the next health poll, and a graceful stop does not
+    wait out its grace period for the stream."""
+    from orchestrator.draft_pool import DraftPool
+    from tests.harness import start_draft
+
+    server = start_draft("ngram")
+    pool = DraftPool([server.address], health_interval_s=60.0)  # no poll during the test
+    try:
+        replica = pool.replicas[0]
+        assert _wait(lambda: replica.watch is not None and replica.watch.running())
+        assert replica.breaker.state == CLOSED
+        t0 = time.monotonic()
+        server.stop(grace)
+        assert time.monotonic() - t0 < min(grace, 2.0) + 1.5
+        assert _wait(lambda: replica.breaker.state == OPEN, 2.0)
+    finally:
+        pool.close()

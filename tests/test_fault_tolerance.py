@@ -146,6 +146,13 @@ def test_slow_draft_times_out_and_output_is_unchanged(redis_url):
         addr = stack.draft_server.address
         stack.draft_servers[0].stop(0)
         stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr, inject_latency_ms=3000)
+        # The stop ended the pool's health watch, which opened the breaker: wait for a health check to see the
+        # restarted (slow) replica, so the generation calls it.
+        breaker = stack.servicer.pool.replicas[0].breaker
+        deadline = time.monotonic() + 10
+        while breaker.state == "open" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert breaker.state != "open"
         t0 = time.monotonic()
         got = stack.client.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
         assert got.token_ids == ref
