@@ -586,85 +586,159 @@ def _client_call_details(details, metadata) -> _CallDetails:
                         getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
 
-def client_interceptor(address: str = ""):
-    """A grpc client interceptor: a CLIENT span per call, its context injected as traceparent metadata."""
-    host, _, port = address.rpartition(":")
-    peer = {"server.address": host or address}
-    if port.isdigit():
-        peer["server.port"] = int(port)
-    per_method: dict = {}  # method -> (span name, span attributes, metric attributes) or None when untraced
+class _ClientCalls:
+    """A CLIENT span per call, its context injected as W3C traceparent metadata, and the call's duration.
 
-    def method_info(method):
-        info = per_method.get(method, False)
-        if info is False:
-            name = method if isinstance(method, str) else method.decode()
-            if _untraced(name):
-                info = None
-            else:
-                attrs = _rpc_attrs(name)
-                info = (name.lstrip("/"), {**attrs, **peer}, attrs)
-            if len(per_method) < 256:  # a channel calls a few methods; the bound only guards misuse
-                per_method[method] = info
-        return info
+    Wraps each multicallable once, when a stub is built: grpc's own client interceptors build a new multicallable
+    (and register its method) on every call, measurably more per call on a speculative step's critical path."""
 
-    class ClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-        def _intercept(self, continuation, details, request):
-            info = method_info(details.method)
-            if info is None:
-                return continuation(details, request)
-            name, span_attrs, attrs = info
-            extra = _call_attrs.get()
-            s = _tracer.start_span(name, kind=SpanKind.CLIENT,
-                                   attributes={**span_attrs, **extra} if extra else span_attrs)
-            metadata = list(details.metadata or ())
-            carrier: dict = {}
-            propagate.inject(carrier, context=trace.set_span_in_context(s))
-            metadata.extend(carrier.items())
-            t0 = time.perf_counter()
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self.peer = {"server.address": host or address}
+        if port.isdigit():
+            self.peer["server.port"] = int(port)
+
+    def info(self, method):
+        """(span name, span attributes, metric attributes) of a method, or None when it is not traced."""
+        name = method if isinstance(method, str) else method.decode()
+        if _untraced(name):
+            return None
+        attrs = _rpc_attrs(name)
+        return name.lstrip("/"), {**attrs, **self.peer}, attrs
+
+    @staticmethod
+    def start(info, metadata):
+        name, span_attrs, attrs = info
+        extra = _call_attrs.get()
+        s = _tracer.start_span(name, kind=SpanKind.CLIENT, attributes={**span_attrs, **extra} if extra else span_attrs)
+        carrier: dict = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(s))
+        return s, [*(metadata or ()), *carrier.items()], time.perf_counter()
+
+    @staticmethod
+    def end(info, s, t0, code, exc=None) -> None:
+        status = code.name if code is not None else "UNKNOWN"
+        s.set_attribute("rpc.grpc.status_code", code.value[0] if code is not None else 2)
+        if status != "OK":
+            s.set_status(Status(StatusCode.ERROR, status))
+            if exc is not None and not isinstance(exc, grpc.RpcError):
+                s.record_exception(exc)
+        s.end()
+        _instrument("rpc_client").record(time.perf_counter() - t0, _with_status(info[2], status))
+
+    @classmethod
+    def end_when_done(cls, info, s, t0, call) -> None:
+        """End the span when a future or a stream completes (once: grpc calls a done callback once)."""
+        def done(fut):
             try:
-                call = continuation(_client_call_details(details, metadata), request)
-            except BaseException as e:
-                s.record_exception(e)
-                s.set_status(Status(StatusCode.ERROR, type(e).__name__))
-                s.end()
-                raise
-            ended = []
+                code = fut.code()
+            except Exception:  # noqa: BLE001
+                code = None
+            cls.end(info, s, t0, code)
 
-            def finish(fut):
-                if ended:
-                    return
-                ended.append(True)
-                try:
-                    code = fut.code()
-                except Exception:  # noqa: BLE001
-                    code = None
-                status = code.name if code is not None else "UNKNOWN"
-                s.set_attribute("rpc.grpc.status_code", code.value[0] if code is not None else 2)
-                if status != "OK":
-                    s.set_status(Status(StatusCode.ERROR, status))
-                s.end()
-                _instrument("rpc_client").record(time.perf_counter() - t0, _with_status(attrs, status))
+        try:
+            call.add_done_callback(done)
+        except Exception:  # noqa: BLE001 - not a future: end now
+            s.end()
 
-            try:
-                call.add_done_callback(finish)
-            except Exception:  # noqa: BLE001 - not a future: end now
-                s.end()
-            return call
 
-        def intercept_unary_unary(self, continuation, details, request):
-            return self._intercept(continuation, details, request)
+def _blocking(calls, info, raw):
+    def invoke(request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None):
+        s, md, t0 = calls.start(info, metadata)
+        try:
+            out = raw(request, timeout=timeout, metadata=md, credentials=credentials, wait_for_ready=wait_for_ready,
+                      compression=compression)
+        except grpc.RpcError as e:
+            calls.end(info, s, t0, e.code() if hasattr(e, "code") else None)
+            raise
+        except BaseException as e:
+            calls.end(info, s, t0, None, e)
+            raise
+        calls.end(info, s, t0, grpc.StatusCode.OK)
+        return out
 
-        def intercept_unary_stream(self, continuation, details, request):
-            return self._intercept(continuation, details, request)
+    return invoke
 
-        def intercept_stream_unary(self, continuation, details, request_iterator):
-            return self._intercept(continuation, details, request_iterator)
 
-        def intercept_stream_stream(self, continuation, details, request_iterator):
-            return self._intercept(continuation, details, request_iterator)
+def _started(calls, info, raw):
+    def invoke(request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None):
+        s, md, t0 = calls.start(info, metadata)
+        try:
+            call = raw(request, timeout=timeout, metadata=md, credentials=credentials, wait_for_ready=wait_for_ready,
+                       compression=compression)
+        except BaseException as e:
+            calls.end(info, s, t0, None, e)
+            raise
+        calls.end_when_done(info, s, t0, call)
+        return call
 
-    return ClientInterceptor()
+    return invoke
+
+
+class _TracedUnary:
+    """A unary-request or stream-request multicallable with a span per call (blocking, with_call, future)."""
+
+    def __init__(self, calls, info, raw):
+        self._call = _blocking(calls, info, raw)
+        self.with_call = _blocking(calls, info, raw.with_call)
+        self.future = _started(calls, info, raw.future)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+
+class _TracedStream:
+    """A response-streaming multicallable: the span lasts the stream's life."""
+
+    def __init__(self, calls, info, raw):
+        self._invoke = _started(calls, info, raw)
+
+    def __call__(self, *args, **kwargs):
+        return self._invoke(*args, **kwargs)
+
+
+class TracedChannel(grpc.Channel):
+    """A channel whose calls are traced (see _ClientCalls); everything else is the wrapped channel's."""
+
+    def __init__(self, channel: grpc.Channel, address: str = ""):
+        self._channel = channel
+        self._calls = _ClientCalls(address)
+
+    def _wrap(self, kind, raw, method):
+        info = self._calls.info(method)
+        return raw if info is None else kind(self._calls, info, raw)
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None, _registered_method=False):
+        raw = self._channel.unary_unary(method, request_serializer, response_deserializer, _registered_method)
+        return self._wrap(_TracedUnary, raw, method)
+
+    def stream_unary(self, method, request_serializer=None, response_deserializer=None, _registered_method=False):
+        raw = self._channel.stream_unary(method, request_serializer, response_deserializer, _registered_method)
+        return self._wrap(_TracedUnary, raw, method)
+
+    def unary_stream(self, method, request_serializer=None, response_deserializer=None, _registered_method=False):
+        raw = self._channel.unary_stream(method, request_serializer, response_deserializer, _registered_method)
+        return self._wrap(_TracedStream, raw, method)
+
+    def stream_stream(self, method, request_serializer=None, response_deserializer=None, _registered_method=False):
+        raw = self._channel.stream_stream(method, request_serializer, response_deserializer, _registered_method)
+        return self._wrap(_TracedStream, raw, method)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._channel.subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._channel.unsubscribe(callback)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self._channel.close()
+        return False
 
 
 _status_attrs: dict = {}  # (rpc attributes, status) -> the metric's attributes: built once, not per call
@@ -681,7 +755,7 @@ def _with_status(attrs: dict, status: str) -> dict:
 
 
 def intercept_channel(channel, address: str = ""):
-    return grpc.intercept_channel(channel, client_interceptor(address))
+    return TracedChannel(channel, address)
 
 
 class _GenerateObserver:

@@ -116,7 +116,12 @@ def test_one_generate_is_one_connected_trace(stack, spans):
 def test_degraded_decode_is_traced_and_counted(redis_url, spans):
     s = harness.start_stack(redis_url, draft="ngram")
     try:
-        s.draft_server.stop(0)
+        # A draft that answers its health checks but fails every Propose (a stopped one opens its breaker at once,
+        # through the pool's health watch, and is never called).
+        def broken(*args, **kwargs):
+            raise RuntimeError("draft broke")
+
+        s.draft_server.servicer.proposer.get_candidates = broken
         before = telemetry.snapshot()
         spans.clear()
         result = _generate(s, n=6, speculation=True)
@@ -133,6 +138,7 @@ def test_degraded_decode_is_traced_and_counted(redis_url, spans):
                 - telemetry.metric_value(before, "specdec.fallback.steps")) >= 1
 
         # The outline does not hang on the dead draft, says so, and caches the answer.
+        s.draft_server.stop(0)
         t0 = time.monotonic()
         outline = build_outline(s.servicer)
         assert time.monotonic() - t0 < 3
