@@ -66,6 +66,7 @@ def _wait(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
+@pytest.mark.serial  # time bounds on a server's stop: alone on the cores (scripts/test.sh)
 @pytest.mark.parametrize("grace", [0.0, 5.0])
 def test_health_watch_opens_the_breaker_when_a_replica_goes_away(grace):
     """The pool follows each replica's Health.Watch stream: a stopped replica (killed: grace 0; graceful: it says

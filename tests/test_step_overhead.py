@@ -6,6 +6,8 @@ import pytest
 from orchestrator.generation import LoopConfig
 from tests.harness import DRAFT_SAME, start_stack
 
+pytestmark = pytest.mark.serial  # compares round trips with a sleep: alone on the cores (scripts/test.sh)
+
 PROMPT = [1, 5, 9, 12, 5, 9]
 SLEEP_MS = 100.0  # the draft's handler sleeps this long before drafting: to the orchestrator, pure RPC overhead
 
