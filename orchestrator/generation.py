@@ -171,6 +171,7 @@ class Generation:
         self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
         self.prefetched = None        # a draft block ready for the current context (pipelining)
         self.prefetched_for = None    # (committed length, replica address) it is valid for
+        self.pending_prefetch = None  # (future, replica, verified block, committed length then, block accepted whole)
         self.last_block_full = True
         self.full_block_rate = 1.0    # EMA of "the whole block was accepted": how often a prefetch is usable
         self.propose_time = StepTimer()  # Propose round trips: what a usable prefetch saves
@@ -392,6 +393,7 @@ class Generation:
 
     def step(self, remaining: int) -> tuple[list[int], bool]:
         """One step: (newly committed tokens before stop handling, whether it ran degraded)."""
+        self._resolve_prefetch()
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 or not self._wants_draft():
             if self.draft_len.k == 0 and self._wants_draft():  # no draft length pays: target-only for now
@@ -553,9 +555,20 @@ class Generation:
             # the next Propose, on the same connection).
             future.cancel()
             return
+        # Wait for it at the start of the next step, not now: this block's Redis commit and streaming overlap the
+        # draft's remaining work (a draft slower than the verify made steps wait 8-28 ms for it in session 17's runs).
+        self.pending_prefetch = (future, replica, new, len(self.rec.committed), full)
+
+    def _resolve_prefetch(self) -> None:
+        """The previous step's prefetch: wait for it (a stale prefetch landing after the next Propose would scramble
+        the draft's cache) and keep its block if the whole previous block was accepted and its first token guessed
+        the bonus token."""
+        if self.pending_prefetch is None:
+            return
+        future, replica, new, committed_len, full = self.pending_prefetch
+        self.pending_prefetch = None
         t0 = time.perf_counter()
         try:
-            # Otherwise wait: a stale prefetch landing after the next Propose would scramble the draft's cache.
             r = future.result()
         except grpc.FutureCancelledError:
             return
@@ -574,7 +587,7 @@ class Generation:
 
             self.prefetched = DraftReply(list(r.tokens[1:]), list(r.probs[1:]), r.cached_len, r.draft_ms, False,
                                          scores=list(r.token_scores[1:]))
-            self.prefetched_for = (len(self.rec.committed) + len(new), replica.address)
+            self.prefetched_for = (committed_len + len(new), replica.address)
             self.rec.stats["draft_ms"] += r.draft_ms
 
     # -- the loop --------------------------------------------------------------------------------------
@@ -622,7 +635,20 @@ class Generation:
                                           "stored state and can be resumed when the store is back") from e
                 time.sleep(0.1)
 
+    def _drop_pending_prefetch(self) -> None:
+        """The generation ended (finished, cancelled or failed) with a prefetch in flight: stop it; its block is of
+        no use, and the session's caches are released next."""
+        if self.pending_prefetch is not None:
+            self.pending_prefetch[0].cancel()
+            self.pending_prefetch = None
+
     def run(self, store) -> "iter[Chunk]":
+        try:
+            yield from self._run(store)
+        finally:
+            self._drop_pending_prefetch()
+
+    def _run(self, store) -> "iter[Chunk]":
         rec = self.rec
         max_new = int(rec.params["max_new_tokens"])
         while rec.status == "running":
