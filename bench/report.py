@@ -185,7 +185,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {c['name']} | {_f(p['client_wall'], 1)} | {_f(p['target_verify'], 1)} | "
                          f"{_f(p['draft_propose'], 1)} | {_f(p['rpc_and_orchestrator_overhead'], 1)} | "
                          f"{_f(p['store_and_stream_overhead'], 1)} | {_f(p.get('rpc_overhead'), 2)} | "
-                         f"{_f(p.get('redis_commit'), 2)} | {_f(p.get('prefetch_wait'), 2)} | "
+                         f"{_f(p.get('redis_commit'), 2)} ({_f(p.get('redis_commit_critical'), 2)}) | {_f(p.get('prefetch_wait'), 2)} | "
                          f"{_f(100 * share, 1) + '%' if share is not None else 'n/a'} |")
     lines += ["", "Per configuration, from the orchestrator's stats: RPC + orchestrator overhead = orchestrator step "
               "time minus the draft and target time the services report (n/a where the step mix includes target "
@@ -196,8 +196,9 @@ def markdown(res: dict) -> str:
               "Propose carrying the prompt's KV counts as prefill) "
               "its round trip minus the time the service reports (`rpc_overhead_ms`); a prefetched Propose overlaps "
               "the verify and is not in it, the time a step still waited for one after its verify is the prefetch "
-              "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`; the share divides gRPC + Redis by the "
-              "target step above.", ""]
+              "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`, in brackets the part not spent while the "
+              "next block's prefetch still ran (`store_ms - store_overlapped_ms`, the critical path's); the share "
+              "divides gRPC + that Redis part by the target step above.", ""]
     return "\n".join(lines)
 
 

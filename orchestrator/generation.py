@@ -41,7 +41,7 @@ COUNTERS = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "f
             "pipeline_hits", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed",
             "parallel_prefills", "kv_imports")
 TIMERS = ("draft_ms", "verify_ms", "wall_ms", "degraded_ms", "decode_ms", "prefill_ms", "rpc_overhead_ms", "store_ms",
-          "prefetch_wait_ms")
+          "prefetch_wait_ms", "store_overlapped_ms")
 STOPPABLE_DRAFTS = ("model", "quantized")  # draft strategies whose Propose stops when the call is cancelled
 
 
@@ -673,7 +673,10 @@ class Generation:
             t_store = time.perf_counter()
             if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
                 self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
-            rec.stats["store_ms"] += (time.perf_counter() - t_store) * 1e3
+            store_ms = (time.perf_counter() - t_store) * 1e3
+            rec.stats["store_ms"] += store_ms
+            if self.pending_prefetch is not None and not self.pending_prefetch[0].done():
+                rec.stats["store_overlapped_ms"] += store_ms  # the next block's draft was still running throughout
             if self.target_cost is not None and self.step_server_ms is not None:
                 self.target_cost.observe_step((time.perf_counter() - t0) * 1e3 - self.step_draft_ms,
                                               self.step_server_ms)

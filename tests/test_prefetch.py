@@ -13,6 +13,9 @@ class FakeFuture:
         self.reply = reply
         self.cancelled = False
 
+    def done(self):
+        return True
+
     def result(self):
         return self.reply
 
