@@ -289,10 +289,14 @@ def _init_instruments() -> None:
         m = metrics.get_meter("specdec")
         i = {}
         # target service: verification
-        i["draft_tokens"] = m.create_counter(
-            "specdec.draft.tokens", unit="{token}", description="draft tokens sent to verification")
-        i["accepted_tokens"] = m.create_counter(
-            "specdec.draft.accepted_tokens", unit="{token}", description="draft tokens accepted by the target")
+        # Observable: the totals are kept in _verify_totals and read when a reader collects (no metric call on
+        # a verify's path for these two).
+        i["draft_tokens"] = m.create_observable_counter(
+            "specdec.draft.tokens", callbacks=[_observe_total(0)], unit="{token}",
+            description="draft tokens sent to verification")
+        i["accepted_tokens"] = m.create_observable_counter(
+            "specdec.draft.accepted_tokens", callbacks=[_observe_total(1)], unit="{token}",
+            description="draft tokens accepted by the target")
         i["verify_latency"] = m.create_histogram(
             "specdec.verify.duration", unit="s", description="target verify: one forward over the draft block + acceptance",
             explicit_bucket_boundaries_advisory=_LATENCY_S)
@@ -359,11 +363,25 @@ def _observe_acceptance(options):
         yield Observation(sum(a for _, a in steps) / proposed)
 
 
+_verify_totals = [0, 0]  # draft tokens proposed, accepted: this process's verify steps, all time
+_verify_totals_lock = threading.Lock()
+
+
+def _observe_total(index: int):
+    def callback(options):
+        from opentelemetry.metrics import Observation
+
+        yield Observation(_verify_totals[index])
+
+    return callback
+
+
 def record_verify(proposed: int, accepted: int, ms: float) -> None:
     """One verify step: ``proposed`` draft tokens, the first ``accepted`` of them accepted, in ``ms``."""
-    _instrument("draft_tokens").add(proposed)
-    _instruments["accepted_tokens"].add(accepted)
-    _instruments["verify_latency"].record(ms / 1e3)
+    _instrument("verify_latency").record(ms / 1e3)
+    with _verify_totals_lock:
+        _verify_totals[0] += proposed
+        _verify_totals[1] += accepted
     _accept_window.append((proposed, accepted))
 
 
