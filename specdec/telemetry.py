@@ -1,9 +1,9 @@
 """Structured logs, OpenTelemetry traces and metrics, and process lifecycle helpers for every service.
 
 Traces
-  Every gRPC server (``ServiceServer``) and client channel (``make_channel``) carries the interceptors
-  defined here: a client span per call that injects a W3C ``traceparent`` into the call's metadata, and
-  a server span per call, the child of the caller's span. One ``Generate`` is therefore one trace:
+  Every gRPC server (``ServiceServer``) and client channel (``make_channel``) is traced by what is defined
+  here: a client span per call that injects a W3C ``traceparent`` into the call's metadata (``TracedChannel``),
+  and a server span per call, the child of the caller's span (a server interceptor). One ``Generate`` is therefore one trace:
   client -> orchestrator -> {draft, target} -> Redis. Streaming RPCs are traced for their whole life.
 
 Metrics
@@ -559,7 +559,7 @@ class traced:
 
 
 # --------------------------------------------------------------------------------------------
-# gRPC interceptors: W3C trace context through metadata, a span and a duration per call
+# gRPC tracing: W3C trace context through metadata, a span and a duration per call
 # --------------------------------------------------------------------------------------------
 
 # Server spans with these statuses are errors (OTel rpc semantic conventions); a client sees any non-OK.
@@ -591,17 +591,6 @@ class _MetadataGetter:
 
 
 _getter = _MetadataGetter()
-
-
-class _CallDetails(collections.namedtuple(
-        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-        grpc.ClientCallDetails):
-    pass
-
-
-def _client_call_details(details, metadata) -> _CallDetails:
-    return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                        getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
 
 class _ClientCalls:
