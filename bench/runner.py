@@ -828,6 +828,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
     if key == "system_overhead_share":
         seq = cfgs.get(res.get("best_sequential_config") or "", {})
         seq_share = seq.get("system_overhead_share")
+        base_share = cfgs.get("specdec-target-only", {}).get("system_overhead_share")
         return (f"{'met' if value < thr else 'not met'}: {head.get('name')} waited "
                 f"{_fmt((per.get('rpc_overhead') or 0), 2)} ms per step on gRPC beyond the services' own time and "
                 f"{_fmt(per.get('redis_commit_critical'), 2)} ms on its Redis commit (of "
@@ -838,6 +839,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 f"the verify (prefetch hits {(head.get('pipeline') or {}).get('hits')} of "
                 f"{(head.get('pipeline') or {}).get('verify_steps')} verify steps); "
                 f"sequential ({seq.get('name')}) pays both round trips: {_fmt(100 * seq_share, 1) if seq_share else 'n/a'}%"
+                f", target-only decoding (one Decode and one commit a step) {_fmt(100 * base_share, 1) if base_share else 'n/a'}%"
                 f"; the microbenchmark: {sysov}")
     if key == "throughput_8_sessions_vs_1":
         rows = [c for c in res["configs"] if c.get("kind") == "sessions" and c.get("sweep") == res.get("sessions_sweep")]
