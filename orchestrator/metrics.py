@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 from functools import lru_cache
 
 from opentelemetry import metrics
-from opentelemetry.metrics import Observation
 
-# Per-position acceptance is counted here and reported when a reader collects (observable counters): a step
-# would otherwise make up to 2 x k counter calls on its critical path (about 15 us each).
-_by_position_lock = threading.Lock()
-_proposed_at: list[int] = []
-_accepted_at: list[int] = []
+from specdec.telemetry import CollectedCounts
 
-
-def _observe(counts: list[int]):
-    def callback(options):
-        with _by_position_lock:
-            totals = list(counts)
-        return [Observation(n, {"position": pos}) for pos, n in enumerate(totals)]
-
-    return callback
+# Per-position acceptance is reported when a reader collects: a step would otherwise make up to 2 x k counter
+# calls on its critical path.
+_proposed_at = CollectedCounts("position")
+_accepted_at = CollectedCounts("position")
 
 
 @lru_cache(maxsize=1)
@@ -31,10 +21,10 @@ def _instruments():
         "failures": meter.create_counter("specdec.draft.failures", unit="{failure}",
                                          description="draft calls that failed, by kind"),
         "accepted_at": meter.create_observable_counter(
-            "specdec.draft.accepted_by_position", callbacks=[_observe(_accepted_at)], unit="{token}",
+            "specdec.draft.accepted_by_position", callbacks=[_accepted_at.observe], unit="{token}",
             description="draft tokens accepted, by position in the block"),
         "proposed_at": meter.create_observable_counter(
-            "specdec.draft.proposed_by_position", callbacks=[_observe(_proposed_at)], unit="{token}",
+            "specdec.draft.proposed_by_position", callbacks=[_proposed_at.observe], unit="{token}",
             description="draft tokens proposed, by position in the block"),
         "failovers": meter.create_counter("specdec.draft.replica_failovers", unit="{failover}",
                                           description="sessions moved to another draft replica"),
@@ -58,12 +48,8 @@ def record_draft_failure(kind: str) -> None:
 
 def record_acceptance(proposed: int, accepted: int) -> None:
     _instruments()
-    with _by_position_lock:
-        for counts, n in ((_proposed_at, proposed), (_accepted_at, accepted)):
-            if len(counts) < n:
-                counts.extend([0] * (n - len(counts)))
-            for pos in range(n):
-                counts[pos] += 1
+    _proposed_at.add_positions(proposed)
+    _accepted_at.add_positions(accepted)
 
 
 def record_failover() -> None:

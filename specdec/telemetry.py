@@ -289,13 +289,12 @@ def _init_instruments() -> None:
         m = metrics.get_meter("specdec")
         i = {}
         # target service: verification
-        # Observable: the totals are kept in _verify_totals and read when a reader collects (no metric call on
-        # a verify's path for these two).
+        # Observable: no metric call on a verify's path for these two.
         i["draft_tokens"] = m.create_observable_counter(
-            "specdec.draft.tokens", callbacks=[_observe_total(0)], unit="{token}",
+            "specdec.draft.tokens", callbacks=[_verify_proposed.observe], unit="{token}",
             description="draft tokens sent to verification")
         i["accepted_tokens"] = m.create_observable_counter(
-            "specdec.draft.accepted_tokens", callbacks=[_observe_total(1)], unit="{token}",
+            "specdec.draft.accepted_tokens", callbacks=[_verify_accepted.observe], unit="{token}",
             description="draft tokens accepted by the target")
         i["verify_latency"] = m.create_histogram(
             "specdec.verify.duration", unit="s", description="target verify: one forward over the draft block + acceptance",
@@ -363,25 +362,50 @@ def _observe_acceptance(options):
         yield Observation(sum(a for _, a in steps) / proposed)
 
 
-_verify_totals = [0, 0]  # draft tokens proposed, accepted: this process's verify steps, all time
-_verify_totals_lock = threading.Lock()
+class CollectedCounts:
+    """Counts kept in the process and reported only when a metrics reader collects (an observable counter's
+    callback), so adding to them on a hot path costs a lock and an add, not a metric call (about 15 us).
 
+    Without ``label`` it holds one total; with it, one count per index, each observed as ``{label: index}``.
+    """
 
-def _observe_total(index: int):
-    def callback(options):
+    def __init__(self, label: str | None = None):
+        self._label = label
+        self._counts = [0]
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._counts[0] += n
+
+    def add_positions(self, n: int) -> None:
+        """One more at each of the indexes ``0 .. n - 1``."""
+        with self._lock:
+            if len(self._counts) < n:
+                self._counts.extend([0] * (n - len(self._counts)))
+            for i in range(n):
+                self._counts[i] += 1
+
+    def observe(self, options):
         from opentelemetry.metrics import Observation
 
-        yield Observation(_verify_totals[index])
+        with self._lock:
+            counts = list(self._counts)
+        if self._label is None:
+            return [Observation(counts[0])]
+        return [Observation(n, {self._label: i}) for i, n in enumerate(counts)]
 
-    return callback
+
+# Draft tokens proposed and accepted over this process's verify steps, all time.
+_verify_proposed = CollectedCounts()
+_verify_accepted = CollectedCounts()
 
 
 def record_verify(proposed: int, accepted: int, ms: float) -> None:
     """One verify step: ``proposed`` draft tokens, the first ``accepted`` of them accepted, in ``ms``."""
     _instrument("verify_latency").record(ms / 1e3)
-    with _verify_totals_lock:
-        _verify_totals[0] += proposed
-        _verify_totals[1] += accepted
+    _verify_proposed.add(proposed)
+    _verify_accepted.add(accepted)
     _accept_window.append((proposed, accepted))
 
 
