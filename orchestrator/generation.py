@@ -235,6 +235,13 @@ class Generation:
             rec.draft_replica, rec.draft_pos = replica.address, 0  # the new replica rebuilds from token 0
         return replica
 
+    def _count_overhead(self, t0: float, service_ms: float, stat: str = "rpc_overhead_ms") -> float:
+        """Count a call's round trip since ``t0`` less the time its service reported working (the wire's and
+        gRPC's share) in ``stats[stat]``; return the round trip in ms."""
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.rec.stats[stat] += max(0.0, wall_ms - service_ms)
+        return wall_ms
+
     def _propose(self, replica, k: int, kv=None):
         """Draft k tokens: (reply, False); (None, False) if nothing was drafted; (None, True) if the draft failed.
         kv: the target's KV of the context's first kv.length tokens (a new session, _target_kv)."""
@@ -268,10 +275,9 @@ class Generation:
             return None, True
         replica.breaker.success()
         rec.stats["draft_ms"] += reply.draft_ms
-        wall_ms = (time.perf_counter() - t0) * 1e3
         # A Propose carrying the target's KV spends its extra round-trip time moving the prompt's KV (MBs): that is
         # the prefill handover's cost (prefill_ms), not a decoding step's.
-        rec.stats["prefill_ms" if kv is not None else "rpc_overhead_ms"] += max(0.0, wall_ms - reply.draft_ms)
+        wall_ms = self._count_overhead(t0, reply.draft_ms, "prefill_ms" if kv is not None else "rpc_overhead_ms")
         self.step_draft_ms = wall_ms
         self.propose_time.observe(wall_ms)
         sessions = self._sessions()
@@ -345,7 +351,7 @@ class Generation:
             v = self._target_call(lambda t: self.target.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.params,
                 self.seed, rec.step, t, wait_for_ready=True), "verify")
-        stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - v.verify_ms)
+        self._count_overhead(t0, v.verify_ms)
         if self.target_cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
             self.target_cost.observe(len(reply.tokens) + 1, v.verify_ms)
             self.step_server_ms = v.verify_ms
@@ -371,7 +377,7 @@ class Generation:
             d = self._target_call(lambda t: self.target.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, self.params, self.seed, rec.step,
                 sorted(self.stop_ids), t, wait_for_ready=True), "decode")
-        stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - d.decode_ms)
+        self._count_overhead(t0, d.decode_ms)
         if self.target_cost is not None and plain and d.tokens:
             self.target_cost.observe(1, d.decode_ms, calls=len(d.tokens))
             if not degraded:
@@ -556,7 +562,7 @@ class Generation:
             future.cancel()
             return
         # Wait for it at the start of the next step, not now: this block's Redis commit and streaming overlap the
-        # draft's remaining work (a draft slower than the verify made steps wait 8-28 ms for it in session 17's runs).
+        # draft's remaining work (a draft slower than the verify made steps wait 8-31 ms for it in session 17's runs).
         self.pending_prefetch = (future, replica, new, len(self.rec.committed), full)
 
     def _resolve_prefetch(self) -> None:

@@ -57,7 +57,7 @@ def _propose_tree(gen, replica, max_depth: int):
         return None, True
     replica.breaker.success()
     rec.stats["draft_ms"] += reply.draft_ms
-    rec.stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - reply.draft_ms)
+    gen._count_overhead(t0, reply.draft_ms)
     if not reply.tokens:
         rec.draft_pos = min(len(rec.committed), reply.cached_len)
         return None, False
@@ -73,7 +73,7 @@ def _verify_tree(gen, reply) -> list[int]:
         v = gen._target_call(lambda t: gen.target.verify(
             rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, gen.params, gen.seed,
             rec.step, t, wait_for_ready=True, tree_parents=reply.tree_parents), "verify")
-    stats["rpc_overhead_ms"] += max(0.0, (time.perf_counter() - t0) * 1e3 - v.verify_ms)
+    gen._count_overhead(t0, v.verify_ms)
     path = list(v.accepted_nodes)
     node = -1
     for i in path:  # the accepted nodes must be a root path of the tree we sent
