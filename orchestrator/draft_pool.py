@@ -143,12 +143,6 @@ class LocalDraftReplica(DraftReplica):
     def check_health(self, timeout: float) -> bool:
         return True
 
-    def watch_health(self) -> None:
-        pass
-
-    def stop_watch(self) -> None:
-        pass
-
 
 def _rank(session_id: str, address: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "big")
