@@ -80,7 +80,7 @@ class LeanCache:
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("n", ctypes.c_long), ("k", ctypes.c_long)]
+                ("n", ctypes.c_long), ("k", ctypes.c_long), ("int16_activations", ctypes.c_long)]
 
 
 class _Layer(ctypes.Structure):
@@ -101,13 +101,14 @@ class _Dims(ctypes.Structure):
 def _matrix(module: torch.nn.Module) -> _Matrix:
     lin = module.linear if isinstance(module, _FusedInt8) else module
     bias = 0 if lin.bias is None else lin.bias.data_ptr()
-    return _Matrix(lin.qweight.data_ptr(), lin.scale.data_ptr(), bias, lin.out_features, lin.in_features)
+    return _Matrix(lin.qweight.data_ptr(), lin.scale.data_ptr(), bias, lin.out_features, lin.in_features,
+                   int(lin.int16_activations))
 
 
 def _native_stack():
     """specdec_int8_llama_forward_rows from the native library, or None (then the torch ops below run instead)."""
     fn = cpu_kernels.native_gemm()
-    if fn is None or fn.lib.specdec_int8_llama_version() != 2:
+    if fn is None or fn.lib.specdec_int8_llama_version() != 3:
         return None
     forward = fn.lib.specdec_int8_llama_forward_rows
     forward.argtypes = [ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_long,
@@ -155,6 +156,18 @@ class LeanLlama(torch.nn.Module):
         self.native = _native_stack()
         self._dims = _Dims(self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
                            len(self.layers), self.eps)
+        self.set_int16_activations(cpu_kernels.int16_activations())
+
+    def set_int16_activations(self, on: bool) -> None:
+        """Round every layer's activations to int16 and multiply in integers (VNNI, cpu_kernels.int16_activations)
+        or keep them float32; the native stack's layer table follows."""
+        fn = cpu_kernels.native_gemm()
+        if on and (fn is None or fn.int8_a16 is None):
+            raise ValueError("int16 activations need the native kernel on a CPU with AVX-512 VNNI")
+        for L in self.layers:
+            for m in (L["qkv"].linear, L["o"], L["gate_up"].linear, L["down"]):
+                m.int16_activations = on
+        self.head.int16_activations = on
         self._layers = (_Layer * len(self.layers))(*[
             _Layer(L["in_norm"].data_ptr(), L["post_norm"].data_ptr(), _matrix(L["qkv"]), _matrix(L["o"]),
                    _matrix(L["gate_up"]), _matrix(L["down"])) for L in self.layers])

@@ -235,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model drafts only token ids below N (a smaller LM head: FR-Spec); 0 = the whole "
                         "vocabulary. Exactness does not depend on it, only speed and acceptance")
     p.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="int8: weight-only int8 copy of --model (CPU; the way to draft with the target's own weights: "
+                   help="int8: int8-weight copy of --model (CPU; activations int16 where AVX-512 VNNI allows; the way to draft with the target's own weights: "
                         "draft_service/int8_draft.py)")
     p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
                    help="int8 draft: concurrent sessions' draft steps share one forward of up to this many rows, a "

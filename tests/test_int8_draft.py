@@ -24,14 +24,32 @@ def test_quantize_int8_rounds_each_row_to_its_own_scale():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
+def _vnni() -> bool:
+    fn = cpu_kernels.native_gemm()
+    return fn is not None and fn.int8_a16 is not None
+
+
+def _rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int16-activation kernel sees it: each row rounded at its own scale, its largest value mapped to the
+    largest integer whose products cannot overflow int32 sums (2^31 / (K * 127), at most 32767)."""
+    top = float(min(32767, int(2147483647 / (x.shape[-1] * 127))))
+    scale = x.abs().amax(dim=-1, keepdim=True) / top
+    return torch.round(x * (1 / scale)) * scale
+
+
+@pytest.mark.parametrize("activations", ["float32", "int16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_computes_the_dequantized_product(rows, bias):
+def test_int8_linear_computes_the_dequantized_product(rows, bias, activations):
+    if activations == "int16" and not _vnni():
+        pytest.skip("int16 activations need AVX-512 VNNI, which this CPU lacks")
     torch.manual_seed(rows)
-    lin = torch.nn.Linear(70, 45, bias=bias)  # K not a multiple of 8, N not a multiple of any block
+    lin = torch.nn.Linear(70, 45, bias=bias)  # K not a multiple of 8 (nor of 64), N not a multiple of any block
     layer = cpu_kernels.Int8Linear(lin)
+    layer.int16_activations = activations == "int16"
     x = torch.randn(rows, 70)
-    ref = torch.nn.functional.linear(x, _dequantized(layer), layer.bias)
+    ref = torch.nn.functional.linear(x if activations == "float32" else _rounded_rows(x), _dequantized(layer),
+                                     layer.bias)
     torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(layer(x.view(1, rows, 70)), ref.view(1, rows, 45), atol=1e-4, rtol=1e-4)
 
@@ -40,10 +58,23 @@ def test_int8_linear_runs_natively_here_and_falls_back_without_the_kernel(monkey
     assert cpu_kernels.native_gemm() is not None, "this machine (x86-64, AVX2, g++) should build the kernel"
     lin = torch.nn.Linear(64, 32)
     layer = cpu_kernels.Int8Linear(lin)
+    layer.int16_activations = False  # the fallback multiplies float32 activations
     x = torch.randn(3, 64)
     native = layer(x)
     monkeypatch.setattr(cpu_kernels, "native_gemm", lambda: None)
     torch.testing.assert_close(layer(x), native, atol=1e-4, rtol=1e-4)
+
+
+def test_int16_activations_are_used_where_the_cpu_has_vnni_and_can_be_switched_off(monkeypatch):
+    assert cpu_kernels.int16_activations() == _vnni()
+    assert cpu_kernels.Int8Linear(torch.nn.Linear(64, 32)).int16_activations == _vnni()
+    monkeypatch.setenv("SPECDEC_INT16_ACTIVATIONS", "off")
+    cpu_kernels.int16_activations.cache_clear()
+    try:
+        assert not cpu_kernels.int16_activations()
+        assert not cpu_kernels.Int8Linear(torch.nn.Linear(64, 32)).int16_activations
+    finally:
+        cpu_kernels.int16_activations.cache_clear()
 
 
 def test_quantize_linears_replaces_large_layers_only():
@@ -52,8 +83,9 @@ def test_quantize_linears_replaces_large_layers_only():
     assert isinstance(model[0], cpu_kernels.Int8Linear) and type(model[1]) is torch.nn.Linear
 
 
-def _pair(spec: str):
-    """The lean int8 draft and transformers' forward over the same int8 weights, each with its own model copy."""
+def _pair(spec: str, int16_activations: bool = False):
+    """The lean int8 draft and transformers' forward over the same int8 weights, each with its own model copy,
+    both with float32 or both with int16 activations."""
     lean_model = load_model(spec, device="cpu", dtype="float32", prepack="off")
     hf_model = load_model(spec, device="cpu", dtype="float32", prepack="off")
     lean = int8_draft(lean_model, SessionCacheStore())
@@ -64,12 +96,17 @@ def _pair(spec: str):
     cpu_kernels.quantize_linears(hf_model.model, min_elements=0)
     # quantize_linears quantises the tied head like LeanLlama does: same int8 weights on both sides
     torch.testing.assert_close(hf_model.model.get_output_embeddings().qweight, lean_head.qweight, rtol=0, atol=0)
+    lean.lean.set_int16_activations(int16_activations)
+    for m in hf_model.model.modules():
+        if isinstance(m, cpu_kernels.Int8Linear):
+            m.int16_activations = int16_activations
     return lean, hf
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-stack", "torch-ops"])
 @pytest.mark.parametrize("spec", ["tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3", GQA])
 def test_lean_forward_matches_transformers_on_the_same_int8_weights(spec, native):
+    """With float32 activations on both sides (int16 ones round each side's slightly different floats apart)."""
     lean, hf = _pair(spec)
     assert lean.lean.native is not None  # built here; the torch ops are the fallback elsewhere
     if not native:
@@ -80,6 +117,17 @@ def test_lean_forward_matches_transformers_on_the_same_int8_weights(spec, native
     for chunk in (tokens[:9], tokens[9:10], tokens[10:11], tokens[11:17], tokens[17:]):
         torch.testing.assert_close(lean.extend(a, chunk), hf.extend(b, chunk), atol=2e-4, rtol=1e-4)
     assert a.tokens == b.tokens == tokens
+
+
+@pytest.mark.parametrize("spec", ["tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3", GQA])
+def test_int16_activations_change_the_logits_by_rounding_only(spec):
+    if not _vnni():
+        pytest.skip("int16 activations need AVX-512 VNNI, which this CPU lacks")
+    (floats, _), (ints, _) = _pair(spec, int16_activations=False), _pair(spec, int16_activations=True)
+    tokens = [int(t) for t in torch.randint(0, 64, (23,), generator=torch.Generator().manual_seed(1))]
+    x, y = floats.extend(SessionKV("s"), tokens, keep=23), ints.extend(SessionKV("s"), tokens, keep=23)
+    assert 0 < (x - y).norm() / x.norm() < 1e-3
+    assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
 def test_lean_cache_crops_grows_and_counts_its_bytes():

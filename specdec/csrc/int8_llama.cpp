@@ -15,6 +15,8 @@
 
 extern "C" int specdec_int8_gemm(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
                                  long M, long N, long K);
+extern "C" int specdec_int8_gemm_a16(const float* x, const int8_t* w, const float* scale, const float* bias,
+                                     float* y, long M, long N, long K);
 
 extern "C" {
 
@@ -23,6 +25,7 @@ struct SpecdecInt8Matrix {
   const float* scale;  // [n]
   const float* bias;   // [n] or null
   long n, k;
+  long int16_activations;  // 1: activations rounded to int16, integer products (specdec_int8_gemm_a16); 0: float32
 };
 
 struct SpecdecLlamaLayer {
@@ -83,6 +86,7 @@ float dot(const float* a, const float* b, long n) {
 }
 
 int gemm(const SpecdecInt8Matrix& m, const float* x, float* y, long rows) {
+  if (m.int16_activations) return specdec_int8_gemm_a16(x, m.q, m.scale, m.bias, y, rows, m.n, m.k);
   return specdec_int8_gemm(x, m.q, m.scale, m.bias, y, rows, m.n, m.k);
 }
 
@@ -90,7 +94,7 @@ int gemm(const SpecdecInt8Matrix& m, const float* x, float* y, long rows) {
 
 extern "C" {
 
-int specdec_int8_llama_version() { return 2; }
+int specdec_int8_llama_version() { return 3; }
 
 // Returns 0; -1 on bad dimensions or a row outside its session's buffer; -2 when out of memory.
 int specdec_int8_llama_forward_rows(const SpecdecLlamaDims* d, const SpecdecLlamaLayer* layers, float* x, long T,
