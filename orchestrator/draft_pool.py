@@ -89,6 +89,7 @@ class DraftReplica:
         self.refused: str | None = None  # set when the replica turned out incompatible; never used then
         self.watch = None  # the Health.Watch stream held open on the replica's channel (watch_health)
         self.watch_stopped = False
+        self.watch_confirmed = threading.Event()  # the stream's first SERVING message arrived
 
     def watch_health(self) -> None:
         """Follow the replica's Health.Watch stream: a replica that goes away or reports itself not serving (a
@@ -108,7 +109,9 @@ class DraftReplica:
     def _follow(self, call) -> None:
         try:
             for msg in call:
-                if msg.status != health_pb2.HealthCheckResponse.SERVING:
+                if msg.status == health_pb2.HealthCheckResponse.SERVING:
+                    self.watch_confirmed.set()
+                else:
                     self.breaker.health_failed()
                     call.cancel()
                     return

@@ -79,7 +79,8 @@ def test_health_watch_opens_the_breaker_when_a_replica_goes_away(grace):
     pool = DraftPool([server.address], health_interval_s=60.0)  # no poll during the test
     try:
         replica = pool.replicas[0]
-        assert _wait(lambda: replica.watch is not None and replica.watch.running())
+        # the server has taken the stream (a stop racing a call it has not accepted yet leaves that call hanging)
+        assert _wait(replica.watch_confirmed.is_set)
         assert replica.breaker.state == CLOSED
         t0 = time.monotonic()
         server.stop(grace)
