@@ -278,7 +278,7 @@ class Generation:
         # A Propose carrying the target's KV spends its extra round-trip time moving the prompt's KV (MBs): that is
         # the prefill handover's cost (prefill_ms), not a decoding step's.
         wall_ms = self._count_overhead(t0, reply.draft_ms, "prefill_ms" if kv is not None else "rpc_overhead_ms")
-        self.step_draft_ms = wall_ms
+        self.step_draft_ms += wall_ms  # a miss step also waited for its stale prefetch (_resolve_prefetch)
         self.propose_time.observe(wall_ms)
         sessions = self._sessions()
         if prefilled or reply.resynced:  # the draft took in the whole context first
@@ -666,6 +666,7 @@ class Generation:
                 return
             offset = len(rec.generated)
             self.step_server_ms, self.step_draft_ms = None, 0.0
+            prefill_ms = rec.stats["prefill_ms"]
             new, degraded = self.step(max_new - offset)
             kept, finish = self.commit(new)
             rec.step += 1
@@ -683,7 +684,10 @@ class Generation:
             rec.stats["store_ms"] += store_ms
             if self.pending_prefetch is not None and not self.pending_prefetch[0].done():
                 rec.stats["store_overlapped_ms"] += store_ms  # the next block's draft was still running throughout
-            if self.target_cost is not None and self.step_server_ms is not None:
+            # A step that also prefilled (a new session's prompt, its KV for the draft: tens of ms) is not what a
+            # decoding step costs: counted in the per-step overhead it made longer drafts look cheap (session 18).
+            if (self.target_cost is not None and self.step_server_ms is not None
+                    and rec.stats["prefill_ms"] == prefill_ms):
                 self.target_cost.observe_step((time.perf_counter() - t0) * 1e3 - self.step_draft_ms,
                                               self.step_server_ms)
             telemetry.record_generated(len(kept))
