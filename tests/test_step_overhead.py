@@ -40,6 +40,14 @@ def test_rpc_overhead_counts_the_calls_a_step_waits_for(redis_url, pipeline):
         s.stop()
 
 
+def _record_step_overheads(cost) -> list[float]:
+    """What each step reports to TargetCost as its overhead beyond the target's time (step_ms - server_ms)."""
+    seen = []
+    observe = cost.observe_step
+    cost.observe_step = lambda step_ms, server_ms: (seen.append(step_ms - server_ms), observe(step_ms, server_ms))
+    return seen
+
+
 def test_the_target_step_cost_leaves_out_waiting_for_the_draft(redis_url):
     """TargetCost's per-step overhead (what the goodput draft length adds to every verify) is the step's time
     beyond the target's and the draft's: a step that missed its prefetch waits for the stale one (an n-gram
@@ -50,10 +58,7 @@ def test_the_target_step_cost_leaves_out_waiting_for_the_draft(redis_url):
     cfg = LoopConfig(pipeline="on", pipeline_min_gain_ms=0.0, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft="ngram", cfg=cfg, forward_ms="measure")  # an n-gram prefetch is waited for
     try:
-        cost = s.servicer.target_cost
-        seen = []
-        observe = cost.observe_step
-        cost.observe_step = lambda step_ms, server_ms: (seen.append(step_ms - server_ms), observe(step_ms, server_ms))
+        seen = _record_step_overheads(s.servicer.target_cost)
         servicer = s.draft_servers[0].servicer
         servicer.inject_latency_ms, servicer.latency_enabled = SLEEP_MS, True
         st = s.client.generate(PROMPT, max_new_tokens=32, max_draft_len=4, ignore_eos=True).stats
@@ -75,12 +80,10 @@ def test_the_target_step_cost_leaves_out_a_new_sessions_prefill(redis_url):
     cfg = LoopConfig(draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=INT8_SELF, cfg=cfg, forward_ms="measure")
     try:
-        engine, cost = s.target_engine, s.servicer.target_cost
+        engine = s.target_engine
         prefill = engine.prefill
         engine.prefill = lambda *a, **k: (time.sleep(SLEEP_MS / 1e3), prefill(*a, **k))[1]  # a slow prompt
-        seen = []
-        observe = cost.observe_step
-        cost.observe_step = lambda step_ms, server_ms: (seen.append(step_ms - server_ms), observe(step_ms, server_ms))
+        seen = _record_step_overheads(s.servicer.target_cost)
         prompt = [(7 * i) % 60 + 1 for i in range(40)]
         st = s.client.generate(prompt, max_new_tokens=16, max_draft_len=4, ignore_eos=True).stats
         assert st["kv_imports"] == 1 and st["prefill_ms"] >= SLEEP_MS  # the prompt was prefilled for the draft
