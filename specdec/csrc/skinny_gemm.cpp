@@ -120,6 +120,23 @@ BlockI8Fn pick_i8(int mr) {
 
 const int kI8ChunkRows = 4;
 
+// How both int8 products (float32 and int16 activations) walk the weight: blocks of `nr` weight rows, each against
+// every chunk of up to `chunk_rows` x rows while it is in L1, the stream prefetched two blocks ahead (on the first
+// chunk); the rows past the last whole block one at a time. block(nr, n, r0, mr, prefetch) multiplies x rows
+// r0 .. r0 + mr - 1 by weight rows n .. n + nr - 1 (prefetch: where the stream continues, or null).
+template <typename Block>
+void int8_walk(const int8_t* w, long M, long N, long K, int nr, int chunk_rows, Block block) {
+  auto rows_at = [&](long r0) { return (int)(M - r0 < chunk_rows ? M - r0 : chunk_rows); };
+  long n = 0;
+  for (; n + nr <= N; n += nr) {
+    const int8_t* wn = w + n * K;
+    const int8_t* ahead = (n + (kPrefetchBlocks + 1) * nr <= N) ? wn + kPrefetchBlocks * nr * K : nullptr;
+    for (long r0 = 0; r0 < M; r0 += chunk_rows) block(nr, n, r0, rows_at(r0), r0 == 0 ? ahead : nullptr);
+  }
+  for (; n < N; n++)
+    for (long r0 = 0; r0 < M; r0 += chunk_rows) block(1, n, r0, rows_at(r0), nullptr);
+}
+
 }  // namespace
 
 extern "C" {
@@ -166,25 +183,10 @@ int specdec_skinny_gemm(const float* x, const float* w, const float* bias, float
 int specdec_int8_gemm(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, long M,
                       long N, long K) {
   if (M < 1) return -1;
-  int chunks = (int)((M + kI8ChunkRows - 1) / kI8ChunkRows);
-  int nr = M <= 2 ? 4 : 2;
-  long n = 0;
-  for (; n + nr <= N; n += nr) {
-    const int8_t* wn = w + n * K;
-    const int8_t* ahead = (n + (kPrefetchBlocks + 1) * nr <= N) ? wn + kPrefetchBlocks * nr * K : nullptr;
-    for (int c = 0; c < chunks; c++) {
-      long r0 = (long)c * kI8ChunkRows;
-      int mr = (int)(M - r0 < kI8ChunkRows ? M - r0 : kI8ChunkRows);
-      BlockI8Fn fn = nr == 4 ? pick_i8<4>(mr) : pick_i8<2>(mr);
-      fn(x + r0 * K, K, wn, scale + n, y + r0 * N + n, N, bias ? bias + n : nullptr, c == 0 ? ahead : nullptr);
-    }
-  }
-  for (; n < N; n++)
-    for (int c = 0; c < chunks; c++) {
-      long r0 = (long)c * kI8ChunkRows;
-      int mr = (int)(M - r0 < kI8ChunkRows ? M - r0 : kI8ChunkRows);
-      pick_i8<1>(mr)(x + r0 * K, K, w + n * K, scale + n, y + r0 * N + n, N, bias ? bias + n : nullptr, nullptr);
-    }
+  int8_walk(w, M, N, K, M <= 2 ? 4 : 2, kI8ChunkRows, [&](int nr, long n, long r0, int mr, const int8_t* ahead) {
+    BlockI8Fn fn = nr == 4 ? pick_i8<4>(mr) : nr == 2 ? pick_i8<2>(mr) : pick_i8<1>(mr);
+    fn(x + r0 * K, K, w + n * K, scale + n, y + r0 * N + n, N, bias ? bias + n : nullptr, ahead);
+  });
   return 0;
 }
 
@@ -292,25 +294,10 @@ int specdec_int8_gemm_a16(const float* x, const int8_t* w, const float* scale, c
   if (!xq) return -2;
   float* xs = (float*)(xq + M * ldq);
   for (long m = 0; m < M; m++) quantize_row16(x + m * K, K, xq + m * ldq, ldq, xs + m);
-  const int chunks = (int)((M + kAChunkRows - 1) / kAChunkRows);
-  long n = 0;
-  for (; n + kABlock <= N; n += kABlock) {
-    const int8_t* wn = w + n * K;
-    const int8_t* ahead = (n + (kPrefetchBlocks + 1) * kABlock <= N) ? wn + kPrefetchBlocks * kABlock * K : nullptr;
-    for (int c = 0; c < chunks; c++) {
-      const long r0 = (long)c * kAChunkRows;
-      const int mr = (int)(M - r0 < kAChunkRows ? M - r0 : kAChunkRows);
-      pick_a<kABlock>(mr)(xq + r0 * ldq, ldq, xs + r0, K, wn, scale + n, y + r0 * N + n, N,
-                          bias ? bias + n : nullptr, c == 0 ? ahead : nullptr);
-    }
-  }
-  for (; n < N; n++)
-    for (int c = 0; c < chunks; c++) {
-      const long r0 = (long)c * kAChunkRows;
-      const int mr = (int)(M - r0 < kAChunkRows ? M - r0 : kAChunkRows);
-      pick_a<1>(mr)(xq + r0 * ldq, ldq, xs + r0, K, w + n * K, scale + n, y + r0 * N + n, N,
-                    bias ? bias + n : nullptr, nullptr);
-    }
+  int8_walk(w, M, N, K, kABlock, kAChunkRows, [&](int nr, long n, long r0, int mr, const int8_t* ahead) {
+    ABlockFn fn = nr == kABlock ? pick_a<kABlock>(mr) : pick_a<1>(mr);
+    fn(xq + r0 * ldq, ldq, xs + r0, K, w + n * K, scale + n, y + r0 * N + n, N, bias ? bias + n : nullptr, ahead);
+  });
   free(xq);
   return 0;
 }
