@@ -68,8 +68,9 @@ def test_failover_to_another_replica(redis_url):
 
         def kill_affine_replica():
             sid = sid_holder["sid"]
-            preferred = stack.servicer.pool.ranking(sid)[0].address
-            next(s for s in stack.draft_servers if s.address == preferred).stop(0)
+            preferred = stack.servicer.pool.ranking(sid)[0]
+            sid_holder["killed_replica"] = preferred
+            next(s for s in stack.draft_servers if s.address == preferred.address).stop(0)
 
         tokens, stats = [], None
         for msg in stack.client.stream(PROMPT, max_new_tokens=150, ignore_eos=True):
@@ -81,8 +82,10 @@ def test_failover_to_another_replica(redis_url):
                 sid_holder["killed"] = True
                 kill_affine_replica()
         assert tokens == ref
+        # Either a Propose to the dead replica failed or its health watch opened the breaker first (then
+        # no call fails); both end in a failover.
         assert stats.replica_failovers >= 1
-        assert stats.draft_failures >= 1
+        assert stats.draft_failures >= 1 or sid_holder["killed_replica"].breaker.state != "closed"
         # After failover the other replica speculates: most steps still verify drafts.
         assert stats.verify_steps > stats.fallback_steps
     finally:
