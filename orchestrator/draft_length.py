@@ -223,13 +223,22 @@ class DraftCost:
 
     def observe(self, wall_ms: float, draft_ms: float, tokens: int, sessions: int = 1) -> None:
         """A Propose call that drafted `tokens` tokens (with `sessions` generating at the time)."""
-        n = max(1, sessions)
         with self._lock:
-            if tokens:
-                self.token_ms.observe(draft_ms / tokens / n)
-                if n <= self.MAX_LOADS:
-                    self.token_ms_at.setdefault(n, Ema()).observe(draft_ms / tokens)
+            self._observe_tokens(draft_ms, tokens, sessions)
             self.call_ms.observe(max(0.0, wall_ms - draft_ms))
+
+    def observe_prefetch(self, draft_ms: float, tokens: int, sessions: int = 1) -> None:
+        """A prefetched block: its drafting time counts, its round trip (overlapped with a verify) does not. With
+        every block prefetched no other call is measured, and the draft deadline needs a per-token time."""
+        with self._lock:
+            self._observe_tokens(draft_ms, tokens, sessions)
+
+    def _observe_tokens(self, draft_ms: float, tokens: int, sessions: int) -> None:
+        n = max(1, sessions)
+        if tokens:
+            self.token_ms.observe(draft_ms / tokens / n)
+            if n <= self.MAX_LOADS:
+                self.token_ms_at.setdefault(n, Ema()).observe(draft_ms / tokens)
 
     def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int, sessions: int = 1) -> None:
         """A session's first Propose: the draft took in `context_tokens` tokens, then drafted `tokens`."""

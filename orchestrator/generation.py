@@ -399,7 +399,8 @@ class Generation:
 
     def step(self, remaining: int) -> tuple[list[int], bool]:
         """One step: (newly committed tokens before stop handling, whether it ran degraded)."""
-        self._resolve_prefetch()
+        if self._resolve_prefetch():  # the draft failed this step already: no second deadline before falling back
+            return self._decode(min(self.cfg.fallback_chunk, remaining), True), True
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 or not self._wants_draft():
             if self.draft_len.k == 0 and self._wants_draft():  # no draft length pays: target-only for now
@@ -565,27 +566,35 @@ class Generation:
         # draft's remaining work (a draft slower than the verify made steps wait 8-31 ms for it in session 17's runs).
         self.pending_prefetch = (future, replica, new, len(self.rec.committed), full)
 
-    def _resolve_prefetch(self) -> None:
+    def _resolve_prefetch(self) -> bool:
         """The previous step's prefetch: wait for it (a stale prefetch landing after the next Propose would scramble
         the draft's cache) and keep its block if the whole previous block was accepted and its first token guessed
-        the bonus token."""
+        the bonus token. The wait is one draft deadline at most (the RPC's own deadline, counted from before the
+        verify, is longer); past it the prefetch is cancelled like a stale one. Returns whether the draft failed."""
         if self.pending_prefetch is None:
-            return
+            return False
         future, replica, new, committed_len, full = self.pending_prefetch
         self.pending_prefetch = None
         t0 = time.perf_counter()
+        wait_s = self._draft_timeout_s(len(new))
         try:
-            r = future.result()
+            r = future.result(timeout=wait_s)
         except grpc.FutureCancelledError:
-            return
+            return False
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            self._draft_failed(replica, "prefetch_deadline_exceeded", f"no block {wait_s * 1e3:.0f} ms into the step")
+            return True
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())
-            return
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return False
+            self._draft_failed(replica, "prefetch_" + e.code().name.lower(), e.details())
+            return True
         finally:  # waiting for the draft is drafting time, not the orchestrator's own (TargetCost.observe_step)
             waited = (time.perf_counter() - t0) * 1e3
             self.step_draft_ms += waited
             self.rec.stats["prefetch_wait_ms"] += waited
+        self.draft_cost.observe_prefetch(r.draft_ms, len(r.tokens), self._sessions())
         if (full and len(r.tokens) > 1 and r.tokens[0] == new[-1] and all(t < self.vocab_size for t in r.tokens)
                 and _valid_distributions(r.probs, self.vocab_size)
                 and (self.params.is_greedy or len(r.probs) in (0, len(r.tokens)))):
@@ -595,6 +604,7 @@ class Generation:
                                          scores=list(r.token_scores[1:]))
             self.prefetched_for = (committed_len + len(new), replica.address)
             self.rec.stats["draft_ms"] += r.draft_ms
+        return False
 
     # -- the loop --------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Draft faults never change or fail a generation; target and store outages within their grace periods are
 survived; cancellation frees every cache; back-pressure, auth and session ownership hold."""
 
+import dataclasses
 import threading
 import time
 
@@ -162,6 +163,42 @@ def test_slow_draft_times_out_and_output_is_unchanged(redis_url):
         assert got.stats["draft_failures_by_kind"].get("timeout", 0) >= 1
         assert time.monotonic() - t0 < 8, "a slow draft must not stall the generation for its full latency"
     finally:
+        stack.stop()
+
+
+def test_a_slow_prefetch_costs_one_draft_deadline_then_target_only_tokens(redis_url):
+    """A draft that turns slow while a pipelined prefetch is in flight: the next step waits for that prefetch at
+    most one draft deadline, then decodes target-only (not the prefetch's own, longer RPC deadline plus another
+    fresh Propose's deadline)."""
+    cfg = dataclasses.replace(FAST, pipeline="on")
+    stack = start_stack(redis_url, draft=DRAFT_SAME, cfg=cfg)
+    try:
+        ref = reference(stack, 60)
+        servicer = stack.draft_servers[0].servicer
+
+        def turn_slow():
+            servicer.inject_latency_ms, servicer.latency_enabled = 3000.0, True
+
+        tokens, stats, gaps, last, fired = [], None, [], None, False
+        for msg in stack.client.stream(PROMPT, max_new_tokens=60, ignore_eos=True):
+            now = time.monotonic()
+            if fired:
+                gaps.append(now - last)
+            last = now
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if not fired and len(tokens) >= 10:
+                fired = True
+                turn_slow()
+        assert tokens == ref
+        kinds = dict(stats.draft_failures_by_kind)
+        assert kinds.get("prefetch_deadline_exceeded", 0) >= 1, kinds
+        # The deadline here is the 200 ms floor (tiny models); waiting out the prefetch's RPC deadline (the draft
+        # deadline + 1 s) or a second deadline before falling back would exceed this.
+        assert max(gaps) < 0.8, (max(gaps), kinds)
+    finally:
+        servicer.latency_enabled = False
         stack.stop()
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import types
 
+import grpc
+
+from orchestrator.draft_length import DraftCost
 from orchestrator.generation import Generation
 
 
@@ -16,7 +19,7 @@ class FakeFuture:
     def done(self):
         return True
 
-    def result(self):
+    def result(self, timeout=None):
         return self.reply
 
     def cancel(self):
@@ -27,7 +30,8 @@ class FakeFuture:
 def _gen(pending):
     rec = types.SimpleNamespace(committed=[1, 2, 3, 4, 5], stats={"prefetch_wait_ms": 0.0, "draft_ms": 0.0})
     return types.SimpleNamespace(rec=rec, pending_prefetch=pending, prefetched=None, prefetched_for=None,
-                                 step_draft_ms=0.0, vocab_size=100,
+                                 step_draft_ms=0.0, vocab_size=100, _draft_timeout_s=lambda k: 0.1,
+                                 draft_cost=DraftCost(), _sessions=lambda: 1,
                                  params=types.SimpleNamespace(is_greedy=True))
 
 
@@ -61,3 +65,36 @@ def test_a_prefetch_still_pending_when_the_generation_ends_is_cancelled():
         else:
             assert list(stream) == ["chunk 1", "chunk 2"]
         assert future.cancelled and gen.pending_prefetch is None
+
+
+def test_a_prefetched_block_measures_the_drafts_time_per_token():
+    """With every block prefetched no Propose is measured; the draft deadline still needs a per-token time."""
+    reply = types.SimpleNamespace(tokens=[9, 10, 11, 12], probs=[], token_scores=[], cached_len=7, draft_ms=8.0)
+    gen = _gen((FakeFuture(reply), types.SimpleNamespace(address="draft:1"), [4, 9], 3, True))
+    assert gen.draft_cost.token_ms.value is None
+    assert Generation._resolve_prefetch(gen) is False
+    assert gen.draft_cost.token_ms.value == 2.0
+
+
+class LateFuture(FakeFuture):
+    """A prefetch still running when the next step starts (a draft that turned slow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waited = None
+
+    def done(self):
+        return False
+
+    def result(self, timeout=None):
+        self.waited = timeout
+        raise grpc.FutureTimeoutError()
+
+
+def test_a_late_prefetch_is_waited_for_one_draft_deadline_then_cancelled_as_a_draft_failure():
+    future, failed = LateFuture(), []
+    gen = _gen((future, types.SimpleNamespace(address="draft:1"), [4, 9], 3, True))
+    gen._draft_failed = lambda replica, kind, detail: failed.append(kind)
+    assert Generation._resolve_prefetch(gen) is True  # the step then decodes target-only
+    assert future.waited == 0.1 and future.cancelled
+    assert failed == ["prefetch_deadline_exceeded"] and gen.prefetched is None
