@@ -220,25 +220,32 @@ class DraftCost:
         self.token_ms = Ema()  # per drafted token, divided by the sessions generating at the time
         self.token_ms_at: dict[int, Ema] = {}  # sessions generating -> per drafted token, as measured there
         self.prefill_token_ms = Ema()
+        self.prefetch_token_ms = Ema()  # per drafted token of prefetched blocks (deadlines only)
 
     def observe(self, wall_ms: float, draft_ms: float, tokens: int, sessions: int = 1) -> None:
         """A Propose call that drafted `tokens` tokens (with `sessions` generating at the time)."""
+        n = max(1, sessions)
         with self._lock:
-            self._observe_tokens(draft_ms, tokens, sessions)
+            if tokens:
+                self.token_ms.observe(draft_ms / tokens / n)
+                if n <= self.MAX_LOADS:
+                    self.token_ms_at.setdefault(n, Ema()).observe(draft_ms / tokens)
             self.call_ms.observe(max(0.0, wall_ms - draft_ms))
 
     def observe_prefetch(self, draft_ms: float, tokens: int, sessions: int = 1) -> None:
-        """A prefetched block: its drafting time counts, its round trip (overlapped with a verify) does not. With
-        every block prefetched no other call is measured, and the draft deadline needs a per-token time."""
-        with self._lock:
-            self._observe_tokens(draft_ms, tokens, sessions)
-
-    def _observe_tokens(self, draft_ms: float, tokens: int, sessions: int) -> None:
-        n = max(1, sessions)
+        """A prefetched block's drafting time per token: only for the draft deadline (with every block prefetched
+        no Propose is measured). Not the cost a draft length weighs: a prefetch drafts while the target verifies,
+        so on shared cores it runs slower than a Propose does alone."""
         if tokens:
-            self.token_ms.observe(draft_ms / tokens / n)
-            if n <= self.MAX_LOADS:
-                self.token_ms_at.setdefault(n, Ema()).observe(draft_ms / tokens)
+            with self._lock:
+                self.prefetch_token_ms.observe(draft_ms / tokens / max(1, sessions))
+
+    def deadline_per_token(self, sessions: int = 1) -> float | None:
+        """Per drafted token, for deadlines: as measured by Propose calls, else by prefetches; None if neither."""
+        if self.token_ms.value is not None:
+            return self.per_token(sessions)
+        value = self.prefetch_token_ms.value
+        return None if value is None else value * max(1, sessions)
 
     def observe_prefill(self, draft_ms: float, context_tokens: int, tokens: int, sessions: int = 1) -> None:
         """A session's first Propose: the draft took in `context_tokens` tokens, then drafted `tokens`."""

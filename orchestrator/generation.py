@@ -205,9 +205,10 @@ class Generation:
             # Decode-measured step (rare while speculating, maybe from a quieter time) understates it.
             step = max(step, self.target_cost.step_ms(1, self.target_cost.rows()))
         factor = self.cfg.draft_timeout_factor
-        if self.draft_cost.token_ms.value is None and self.rec.draft_pos > 0:  # a fresh orchestrator
+        per_token = self.draft_cost.deadline_per_token(sessions)
+        if per_token is None and self.rec.draft_pos > 0:  # a fresh orchestrator
             return max(first_call, factor * step) / 1e3
-        budget = factor * max(step, k * min(step, self.draft_cost.per_token(sessions)))
+        budget = factor * max(step, k * min(step, per_token or 0.0))
         if self.rec.draft_pos == 0:
             ctx = len(self.rec.committed)
             per_token = self.draft_cost.per_prefill_token(sessions)

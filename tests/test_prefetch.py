@@ -71,9 +71,13 @@ def test_a_prefetched_block_measures_the_drafts_time_per_token():
     """With every block prefetched no Propose is measured; the draft deadline still needs a per-token time."""
     reply = types.SimpleNamespace(tokens=[9, 10, 11, 12], probs=[], token_scores=[], cached_len=7, draft_ms=8.0)
     gen = _gen((FakeFuture(reply), types.SimpleNamespace(address="draft:1"), [4, 9], 3, True))
-    assert gen.draft_cost.token_ms.value is None
+    assert gen.draft_cost.deadline_per_token() is None
     assert Generation._resolve_prefetch(gen) is False
-    assert gen.draft_cost.token_ms.value == 2.0
+    assert gen.draft_cost.deadline_per_token() == 2.0 and gen.draft_cost.deadline_per_token(sessions=2) == 4.0
+    # not the cost a draft length weighs (drafted alongside a verify): Propose calls measure that
+    assert gen.draft_cost.token_ms.value is None
+    gen.draft_cost.observe(wall_ms=5.0, draft_ms=3.0, tokens=3)
+    assert gen.draft_cost.deadline_per_token() == 1.0
 
 
 class LateFuture(FakeFuture):
