@@ -34,6 +34,7 @@ class CircuitBreaker:
         self.open_s = open_s
         self.opened_at = 0.0
         self._probe_in_flight = False
+        self.health_blind = False  # opened by failures a passing health check says nothing about (a slow replica)
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
@@ -51,13 +52,16 @@ class CircuitBreaker:
         with self._lock:
             self.state, self.failures, self.open_s, self._probe_in_flight = CLOSED, 0, self.base_open_s, False
 
-    def failure(self) -> None:
+    def failure(self, health_blind: bool = False) -> None:
+        """A failed call. health_blind: a failure a passing health check does not contradict (a timeout, a
+        malformed reply: the replica answers health checks all the same), so only the back-off ends it."""
         with self._lock:
             self.failures += 1
             if self.state == HALF_OPEN:
                 self.open_s = min(self.max_open_s, self.open_s * 2)  # a failed probe backs off further
             if self.state == HALF_OPEN or self.failures >= self.failure_threshold:
                 self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
+                self.health_blind = health_blind
 
     def no_call(self) -> None:
         """The caller allow() let through made no call after all (its block was already prefetched): a half-open
@@ -67,13 +71,16 @@ class CircuitBreaker:
             self._probe_in_flight = False
 
     def health_ok(self) -> None:
-        """A passing health check shortens an open breaker to half-open (probe on the next call)."""
+        """A passing health check shortens an open breaker to half-open (probe on the next call), unless it opened
+        on failures health checks cannot see: a slow replica passes them, and probing it at every check would cost
+        a session a draft deadline each time."""
         with self._lock:
-            if self.state == OPEN:
+            if self.state == OPEN and not self.health_blind:
                 self.state = HALF_OPEN
 
     def health_failed(self) -> None:
         with self._lock:
+            self.health_blind = False  # the health check sees this fault: its recovery can end the back-off
             if self.state != OPEN:
                 log.warning("draft replica failed its health check; breaker open")
                 self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False

@@ -309,7 +309,8 @@ class Generation:
         stats = self.rec.stats
         stats["draft_failures"] += 1
         stats["draft_failures_by_kind"][kind] = stats["draft_failures_by_kind"].get(kind, 0) + 1
-        replica.breaker.failure()
+        # A replica that could not be reached shows in its health checks; one that answers late or wrongly does not.
+        replica.breaker.failure(health_blind=kind not in ("unavailable", "prefetch_unavailable"))
         if kind not in ("timeout", "prefetch_deadline_exceeded") or not _stoppable(replica):
             # The replica's state is unknown now: resync from token 0 on the next call. A model draft's timed-out
             # call leaves its session consistent (it stops, and does not touch the session once its caller is

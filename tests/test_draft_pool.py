@@ -37,6 +37,29 @@ def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed
     assert (b.state, b.failures, b.open_s) == (CLOSED, 0, 1.0) and b.allow()
 
 
+def test_a_breaker_opened_by_timeouts_waits_out_its_back_off_though_health_checks_pass(monkeypatch):
+    """A slow replica answers health checks: were they to end its back-off, a session would pay a draft deadline
+    probing it at every check. Failures that health checks do see (unreachable) still end early."""
+    now = [100.0]
+    monkeypatch.setattr("orchestrator.draft_pool.time.monotonic", lambda: now[0])
+    b = CircuitBreaker(open_s=1.0, failure_threshold=1)
+    b.failure(health_blind=True)  # a timeout
+    b.health_ok()
+    assert b.state == OPEN and not b.allow()
+    now[0] += 1.0
+    assert b.allow() and b.state == HALF_OPEN  # the back-off is over: one probe
+    b.failure(health_blind=True)
+    b.health_ok()
+    assert b.state == OPEN and b.open_s == 2.0 and not b.allow()
+    b.health_failed()  # now the health check sees it too (a hung replica): its recovery ends the back-off
+    b.health_ok()
+    assert b.state == HALF_OPEN and b.allow()
+    b.success()
+    b.failure()  # unreachable (a connection refused): the health check's recovery ends the back-off
+    b.health_ok()
+    assert b.state == HALF_OPEN
+
+
 def test_a_probe_slot_taken_by_a_step_that_made_no_call_is_given_back():
     """A step that pick() let through a half-open breaker but that used a prefetched block made no call: the next
     caller must be able to probe, or the replica would stay half-open with a probe in flight for ever."""
