@@ -233,9 +233,9 @@ class DraftCost:
             self.call_ms.observe(max(0.0, wall_ms - draft_ms))
 
     def observe_prefetch(self, draft_ms: float, tokens: int, sessions: int = 1) -> None:
-        """A prefetched block's drafting time per token: only for the draft deadline (with every block prefetched
-        no Propose is measured). Not the cost a draft length weighs: a prefetch drafts while the target verifies,
-        so on shared cores it runs slower than a Propose does alone."""
+        """A prefetched block's drafting time per token, kept apart from a lone Propose's: a prefetch drafts while
+        the target verifies (slower where the two share cores), and with every block prefetched no Propose is
+        measured at all (the draft deadline then goes by this one)."""
         if tokens:
             with self._lock:
                 self.prefetch_token_ms.observe(draft_ms / tokens / max(1, sessions))
@@ -340,7 +340,7 @@ class GoodputDraftLength:
         if not self.pipelined:
             return expected_accepted_length(a, k) / (verify + propose)
         # The next block (the bonus guess + k tokens) is drafted during this verify, at the rate prefetches
-        # measure (slower than alone on shared cores); used when this block and the bonus guess are accepted.
+        # measure (beside the verify); used when this block and the bonus guess are accepted.
         hit = a ** (k + 1)
         late = max(0.0, draft.call_ms.get(0.0) + (k + 1) * draft.prefetch_per_token(sessions) - verify)
         return expected_accepted_length(a, k) / (verify + (1 - hit) * propose + hit * late)
