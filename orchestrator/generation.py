@@ -334,7 +334,9 @@ class Generation:
                     self.rec.stats["target_resyncs"] += 1
                 return reply
             except grpc.RpcError as e:
-                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                # A target stopping mid-call cancels the call (the client sees CANCELLED): it went away too.
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         grpc.StatusCode.CANCELLED)
                 if not retryable:
                     raise GenerationError(e.code(), f"target {what} failed: {e.details()}") from e
                 if time.monotonic() >= deadline or self.cancel.is_set():

@@ -4,6 +4,7 @@ survived; cancellation frees every cache; back-pressure, auth and session owners
 import dataclasses
 import threading
 import time
+import types
 
 import grpc
 import pytest
@@ -224,6 +225,78 @@ def test_target_restart_within_grace_period(redis_url):
         assert stats.target_resyncs >= 1  # the new target rebuilt the cache from the committed tokens
     finally:
         stack.stop()
+
+
+def test_target_stopped_during_a_verify_is_waited_for_like_one_that_is_down(redis_url):
+    """A target that stops while a Verify is in flight cancels it (the client sees CANCELLED, not UNAVAILABLE):
+    that too is the target going away, waited for within the grace period, not a failed generation."""
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=FAST)
+    try:
+        ref = reference(stack, 60)
+        addr = stack.target_server.address
+        verify, in_verify = stack.target_engine.verify, threading.Event()
+
+        def slow_verify(*args, **kwargs):
+            in_verify.set()
+            time.sleep(0.5)
+            return verify(*args, **kwargs)
+
+        def stop_during_a_verify_then_restart():
+            stack.target_engine.verify = slow_verify
+
+            def run():
+                assert in_verify.wait(10)
+                stack.target_server.stop(0)
+                time.sleep(0.5)
+                from target_service.engine import TargetEngine
+
+                stack.target_server = build_target_server(TargetEngine(model(TARGET)), addr).start()
+
+            threading.Thread(target=run, daemon=True).start()
+
+        tokens, stats = stream_with_hook(stack, 60, 10, stop_during_a_verify_then_restart)
+        assert tokens == ref
+        assert stats.target_resyncs >= 1
+    finally:
+        stack.stop()
+
+
+class _TargetError(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._code.name
+
+
+def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors_are_not():
+    """What a target call's error means: the target went away (UNAVAILABLE, DEADLINE_EXCEEDED, or CANCELLED when
+    it stopped with the call in flight: CI saw that one end a generation) -> wait and retry; anything else fails."""
+    from orchestrator.generation import Generation, GenerationError
+
+    def gen():
+        return types.SimpleNamespace(cfg=LoopConfig(target_grace_s=5.0), cancel=threading.Event(),
+                                     rec=types.SimpleNamespace(session_id="s", stats={"target_resyncs": 0}))
+
+    for code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        calls = []
+
+        def fn(timeout, code=code):
+            calls.append(timeout)
+            if len(calls) == 1:
+                raise _TargetError(code)
+            return types.SimpleNamespace(resynced=True)
+
+        g = gen()
+        assert Generation._target_call(g, fn, "verify").resynced and len(calls) == 2
+        assert g.rec.stats["target_resyncs"] == 1
+    with pytest.raises(GenerationError) as e:
+        Generation._target_call(gen(), lambda t: (_ for _ in ()).throw(_TargetError(grpc.StatusCode.INTERNAL)),
+                                "verify")
+    assert e.value.code == grpc.StatusCode.INTERNAL
 
 
 def test_target_gone_past_grace_fails_with_unavailable(redis_url):
