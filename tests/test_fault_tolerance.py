@@ -46,8 +46,10 @@ def test_draft_killed_mid_generation_then_speculation_resumes(redis_url):
         addr = stack.draft_server.address
         tokens, stats = stream_with_hook(stack, 200, 10, lambda: stack.draft_servers[0].stop(0))
         assert tokens == ref
-        assert stats.fallback_steps > 0 and stats.draft_failures > 0
-        assert stats.fallback_tokens > 0 and stats.degraded_ms > 0
+        # Degraded to target-only: after a failed Propose, or after the pool's health watch saw the replica go and
+        # opened its breaker first (then no call fails).
+        assert stats.fallback_steps > 0 and stats.fallback_tokens > 0 and stats.degraded_ms > 0
+        assert stats.draft_failures > 0 or stack.servicer.pool.replicas[0].breaker.state != "closed"
         # The draft comes back (empty caches, same address): speculation resumes by itself.
         stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr)
         deadline = time.monotonic() + 15
