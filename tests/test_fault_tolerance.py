@@ -263,21 +263,11 @@ def test_target_stopped_during_a_verify_is_waited_for_like_one_that_is_down(redi
         stack.stop()
 
 
-class _TargetError(grpc.RpcError):
-    def __init__(self, code):
-        self._code = code
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._code.name
-
-
 def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors_are_not():
     """What a target call's error means: the target went away (UNAVAILABLE, DEADLINE_EXCEEDED, or CANCELLED when
     it stopped with the call in flight: CI saw that one end a generation) -> wait and retry; anything else fails."""
     from orchestrator.generation import Generation, GenerationError
+    from orchestrator.local_draft import LocalRpcError
 
     def gen():
         return types.SimpleNamespace(cfg=LoopConfig(target_grace_s=5.0), cancel=threading.Event(),
@@ -289,14 +279,14 @@ def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors
         def fn(timeout, code=code):
             calls.append(timeout)
             if len(calls) == 1:
-                raise _TargetError(code)
+                raise LocalRpcError(code, code.name)
             return types.SimpleNamespace(resynced=True)
 
         g = gen()
         assert Generation._target_call(g, fn, "verify").resynced and len(calls) == 2
         assert g.rec.stats["target_resyncs"] == 1
     with pytest.raises(GenerationError) as e:
-        Generation._target_call(gen(), lambda t: (_ for _ in ()).throw(_TargetError(grpc.StatusCode.INTERNAL)),
+        Generation._target_call(gen(), lambda t: (_ for _ in ()).throw(LocalRpcError(grpc.StatusCode.INTERNAL, "boom")),
                                 "verify")
     assert e.value.code == grpc.StatusCode.INTERNAL
 
