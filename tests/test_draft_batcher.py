@@ -1,6 +1,7 @@
 """Batched draft steps: several sessions' rows through one int8 forward (draft_service/draft_batcher.py), the
 same logits and tokens as each session on its own."""
 
+import contextlib
 import threading
 import time
 
@@ -75,11 +76,17 @@ def test_concurrent_proposals_share_forwards_and_draft_the_same_tokens():
             out[sid] = first.tokens + second.tokens
 
         if parallel:
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
+            # The six sessions are in flight together, as the orchestrator's are: each one's steps are awaited by
+            # the batch leader from the start. Without that a tiny model's whole proposal can fit in one thread's
+            # GIL slice, and on a loaded machine (CI) the threads ran one after the other: no forward to share.
+            with contextlib.ExitStack() as in_flight:
+                for i in range(len(prompts)):
+                    in_flight.enter_context(proposer.lm.batcher.member(f"s{i}"))
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
         else:
             for i in range(len(prompts)):
                 one(i)
