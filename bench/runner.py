@@ -640,8 +640,8 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
                     "rpc_overhead_ms stat per step: for each call the loop waited for (Verify, Decode, a Propose not "
                     "prefetched and not carrying the prompt's KV, which is prefill_ms) its round trip minus the "
                     "service's reported time; redis_commit = its store_ms stat (the per-step commit), "
-                    "redis_commit_critical = the part of it not spent while the next block's prefetch still ran "
-                    "(store_ms - store_overlapped_ms); prefetch_wait = time a step waited for the previous step's "
+                    "redis_commit_critical = the part of it the steps waited for (a block is committed and sent "
+                    "while the orchestrator's stepper thread runs the next step; store_ms - store_overlapped_ms); prefetch_wait = time a step waited for the previous step's "
                     "prefetched block",
         }
         if st["rpc_overhead_ms"] or st["store_ms"]:

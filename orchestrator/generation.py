@@ -7,8 +7,11 @@ never depends on the draft; only the speed does.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import logging
 import math
+import queue
 import threading
 import time
 from collections import deque
@@ -662,21 +665,107 @@ class Generation:
             self.pending_prefetch[0].cancel()
             self.pending_prefetch = None
 
+    # -- the loop: a stepper thread drafts and verifies; this stream stores and sends ---------------------------
+
+    STREAM_AHEAD = 2  # blocks the stepper may be ahead of the stream (stored and sent in order, each before the next)
+
     def run(self, store) -> "iter[Chunk]":
+        """The session's blocks, each stored before it is yielded. The steps run on a thread of their own (the
+        stepper), so block k's Redis commit and its send to the client (a stream message waits for gRPC's send:
+        together ~1.7 ms a step here) overlap block k+1's draft and verify instead of delaying them. All writes are
+        this thread's; on any exit the record is put back to what was last stored (steps the stepper took past it
+        were neither stored nor sent)."""
+        handoff: queue.Queue = queue.Queue(maxsize=self.STREAM_AHEAD)
+        stop = threading.Event()  # this stream ended: the stepper stops after its current step
+        self._stored = self._snapshot()
+        self._handoff_wait_ms = 0.0
+        self._store_lock = threading.Lock()
+        stepper = threading.Thread(target=contextvars.copy_context().run, args=(self._stepper, handoff, stop),
+                                   name=f"stepper-{self.rec.session_id[:16]}", daemon=True)
+        stepper.start()
         try:
-            yield from self._run(store)
+            while True:
+                try:
+                    item = handoff.get(timeout=1.0)
+                except queue.Empty:
+                    if stepper.is_alive() or not handoff.empty():
+                        continue
+                    raise GenerationError(grpc.StatusCode.INTERNAL, "the generation loop ended without a result")
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                chunk, snap, kept = item
+                self._write_block(store, snap, kept)
+                yield chunk
+        finally:
+            stop.set()
+            stepper.join()
+            self._restore_stored()
+
+    def _snapshot(self) -> SessionRecord:
+        """A copy of the record for the store (the stepper goes on changing the live one)."""
+        rec = self.rec
+        stats = dict(rec.stats)
+        stats["draft_failures_by_kind"] = dict(stats.get("draft_failures_by_kind", {}))
+        return dataclasses.replace(rec, generated=list(rec.generated), stats=stats)
+
+    def _write_block(self, store, snap: SessionRecord, kept: list[int]) -> None:
+        t_store = time.perf_counter()
+        if self._store(store, lambda: store.commit(snap, kept, self.lease)):  # stored before the client sees it
+            self.cancel.set()  # CancelSession reached another orchestrator: the stepper stops after its step
+        self._stored = snap
+        store_ms = (time.perf_counter() - t_store) * 1e3
+        with self._store_lock:
+            stats = self.rec.stats
+            stats["store_ms"] += store_ms
+            # The stepper went on meanwhile, except while it waited for room in the handoff: that part is critical.
+            stats["store_overlapped_ms"] = max(0.0, stats["store_ms"] - self._handoff_wait_ms)
+
+    def _restore_stored(self) -> None:
+        """Put the record back to the stored snapshot, keeping the store timers (real time spent)."""
+        stored, rec = self._stored, self.rec
+        if len(rec.generated) == len(stored.generated) and rec.step == stored.step and rec.status == stored.status:
+            return
+        keep = {k: rec.stats[k] for k in ("store_ms", "store_overlapped_ms")}
+        for name in ("generated", "status", "finish_reason", "target_pos", "draft_pos", "draft_replica", "step"):
+            setattr(rec, name, getattr(stored, name))
+        rec.stats = {**stored.stats, **keep}
+        self.pending_prefetch = self.prefetched = None
+
+    def _stepper(self, handoff: queue.Queue, stop: threading.Event) -> None:
+        def hand_over(item) -> bool:
+            t0 = time.perf_counter()
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            waited = (time.perf_counter() - t0) * 1e3
+            if waited > 0.05:
+                with self._store_lock:
+                    self._handoff_wait_ms += waited
+            return not stop.is_set()
+
+        try:
+            for chunk, kept in self._steps(stop):
+                if not hand_over((chunk, self._snapshot(), kept)):
+                    return
+            hand_over(None)
+        except BaseException as e:  # noqa: BLE001 - the stream raises it after the blocks before it
+            hand_over(e)
         finally:
             self._drop_pending_prefetch()
 
-    def _run(self, store) -> "iter[Chunk]":
+    def _steps(self, stop: threading.Event) -> "iter[tuple[Chunk, list[int]]]":
         rec = self.rec
         max_new = int(rec.params["max_new_tokens"])
-        while rec.status == "running":
+        while rec.status == "running" and not stop.is_set():
             t0 = time.perf_counter()
             if self.cancel.is_set():
                 rec.status, rec.finish_reason = "cancelled", FINISH_CANCELLED
-                self._store(store, lambda: store.update_state(rec, self.lease))
-                yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED)
+                yield Chunk([], self.text.delta(rec.generated, True), len(rec.generated), FINISH_CANCELLED), []
                 return
             offset = len(rec.generated)
             self.step_server_ms, self.step_draft_ms = None, 0.0
@@ -691,13 +780,6 @@ class Generation:
             if degraded:
                 rec.stats["degraded_ms"] += step_ms
                 metrics.record_degraded(step_ms / 1e3)
-            t_store = time.perf_counter()
-            if self._store(store, lambda: store.commit(rec, kept, self.lease)):  # stored before the client sees it
-                self.cancel.set()  # CancelSession reached another orchestrator: stop after this block
-            store_ms = (time.perf_counter() - t_store) * 1e3
-            rec.stats["store_ms"] += store_ms
-            if self.pending_prefetch is not None and not self.pending_prefetch[0].done():
-                rec.stats["store_overlapped_ms"] += store_ms  # the next block's draft was still running throughout
             # A step that also prefilled (a new session's prompt, its KV for the draft: tens of ms) is not what a
             # decoding step costs: counted in the per-step overhead it made longer drafts look cheap (session 18).
             if (self.target_cost is not None and self.step_server_ms is not None
@@ -706,7 +788,7 @@ class Generation:
                                               self.step_server_ms)
             telemetry.record_generated(len(kept))
             stop_at = self.text.find_stop(rec.generated) if finish == FINISH_STOP else None
-            yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish)
+            yield Chunk(kept, self.text.delta(rec.generated, bool(finish), stop_at), offset, finish), kept
 
 
 def stats_message(rec: SessionRecord) -> opb.GenerationStats:

@@ -52,18 +52,51 @@ def test_the_next_step_takes_a_prefetch_that_guessed_the_bonus_token():
         assert gen.prefetched is None and gen.pending_prefetch is None
 
 
+class _Store:
+    def __init__(self):
+        self.commits = []
+
+    def commit(self, rec, kept, lease=""):
+        self.commits.append(list(kept))
+        return False
+
+
+def _streaming_gen(pending, blocks):
+    """A Generation whose steps are `blocks` (each committed as it is), with `pending` as its prefetch."""
+    import threading
+
+    from orchestrator.generation import Chunk, LoopConfig
+    from orchestrator.session_store import SessionRecord
+
+    gen = Generation.__new__(Generation)
+    gen.rec = SessionRecord("s", [1, 2], {}, stats={"store_ms": 0.0, "store_overlapped_ms": 0.0})
+    gen.cfg, gen.cancel, gen.lease = LoopConfig(), threading.Event(), ""
+    gen.pending_prefetch, gen.prefetched = pending, None
+
+    def steps(stop):
+        for i, block in enumerate(blocks):
+            gen.rec.generated.extend(block)
+            gen.rec.step += 1
+            if i == len(blocks) - 1:
+                gen.rec.status = "finished"
+            yield Chunk(block, "", i), block
+
+    gen._steps = steps
+    return gen
+
+
 def test_a_prefetch_still_pending_when_the_generation_ends_is_cancelled():
     for close_early in (False, True):
-        future = FakeFuture()
-        gen = _gen((future, None, [4], 4, True))
-        gen._run = lambda store: iter(["chunk 1", "chunk 2"])
-        gen._drop_pending_prefetch = lambda: Generation._drop_pending_prefetch(gen)
-        stream = Generation.run(gen, store=None)
+        future, store = FakeFuture(), _Store()
+        gen = _streaming_gen((future, None, [4], 4, True), [[7], [8]])
+        stream = Generation.run(gen, store=store)
         if close_early:  # the client went away after the first chunk
-            assert next(stream) == "chunk 1"
+            assert next(stream).tokens == [7]
             stream.close()
+            assert gen.rec.generated == [7] and gen.rec.step == 1  # as stored: the rest was neither stored nor sent
         else:
-            assert list(stream) == ["chunk 1", "chunk 2"]
+            assert [c.tokens for c in stream] == [[7], [8]]
+            assert store.commits == [[7], [8]] and gen.rec.status == "finished"
         assert future.cancelled and gen.pending_prefetch is None
 
 
