@@ -832,7 +832,7 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
         return (f"{'met' if value < thr else 'not met'}: {head.get('name')} waited "
                 f"{_fmt((per.get('rpc_overhead') or 0), 2)} ms per step on gRPC beyond the services' own time and "
                 f"{_fmt(per.get('redis_commit_critical'), 2)} ms on its Redis commit (of "
-                f"{_fmt(per.get('redis_commit'), 2)} ms; the rest ran while the next block's prefetch did), against "
+                f"{_fmt(per.get('redis_commit'), 2)} ms; the rest ran while the next step did), against "
                 f"a target step of "
                 f"{_fmt(mb.get('target_step_ms'), 1)} ms ({_fmt(100 * value, 1)}%; measured in its own run, the "
                 f"orchestrator's rpc_overhead_ms and store_ms stats). Pipelined, a prefetched block's Propose overlaps "
