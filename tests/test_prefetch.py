@@ -1,5 +1,5 @@
-"""Pipelining's prefetched blocks are waited for at the start of the next step (the block's Redis commit and
-streaming overlap the draft's remaining work), and cancelled when the generation ends first."""
+"""Pipelining's prefetched blocks are waited for at the start of the next step (the block's bookkeeping and its
+handoff to the stream overlap the draft's remaining work), and cancelled when the generation ends first."""
 
 from __future__ import annotations
 
