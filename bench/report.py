@@ -197,8 +197,8 @@ def markdown(res: dict) -> str:
               "its round trip minus the time the service reports (`rpc_overhead_ms`); a prefetched Propose overlaps "
               "the verify and is not in it, the time a step still waited for one after its verify is the prefetch "
               "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`, in brackets the part the steps waited for "
-              "(`store_ms - store_overlapped_ms`, the critical path's: a block is committed while the next step runs); the share "
-              "divides gRPC + that Redis part by the target step above.", ""]
+              "(`store_ms - store_overlapped_ms`, the critical path's: a block is committed while the next step "
+              "runs); the share divides gRPC + that Redis part by the target step above.", ""]
     return "\n".join(lines)
 
 

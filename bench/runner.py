@@ -641,8 +641,8 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
                     "prefetched and not carrying the prompt's KV, which is prefill_ms) its round trip minus the "
                     "service's reported time; redis_commit = its store_ms stat (the per-step commit), "
                     "redis_commit_critical = the part of it the steps waited for (a block is committed and sent "
-                    "while the orchestrator's stepper thread runs the next step; store_ms - store_overlapped_ms); prefetch_wait = time a step waited for the previous step's "
-                    "prefetched block",
+                    "while the orchestrator's stepper thread runs the next step; store_ms - store_overlapped_ms); "
+                    "prefetch_wait = time a step waited for the previous step's prefetched block",
         }
         if st["rpc_overhead_ms"] or st["store_ms"]:
             out["system_overhead_ms_per_step"] = (st["rpc_overhead_ms"] + st["store_ms"]

@@ -728,8 +728,9 @@ class Generation:
         if len(rec.generated) == len(stored.generated) and rec.step == stored.step and rec.status == stored.status:
             return
         keep = {k: rec.stats[k] for k in ("store_ms", "store_overlapped_ms")}
-        for name in ("generated", "status", "finish_reason", "target_pos", "draft_pos", "draft_replica", "step"):
-            setattr(rec, name, getattr(stored, name))
+        for f in dataclasses.fields(rec):  # what a step changes: everything but the session's identity and request
+            if f.name not in ("session_id", "prompt_ids", "params"):
+                setattr(rec, f.name, getattr(stored, f.name))
         rec.stats = {**stored.stats, **keep}
         self.pending_prefetch = self.prefetched = None
 

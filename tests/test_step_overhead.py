@@ -2,6 +2,8 @@
 prefetch_wait_ms): what the bench's gRPC + Redis overhead target is measured with; and the stepper thread that
 takes each block's Redis commit and its send off the steps' path."""
 
+import time
+
 import pytest
 
 from orchestrator.generation import LoopConfig
@@ -73,7 +75,6 @@ def test_the_target_step_cost_leaves_out_a_new_sessions_prefill(redis_url):
     """A new session's first step prefills its prompt on the target and hands the KV to the int8 draft: tens of
     ms that are not what a decoding step costs (counted, they made the goodput policy draft 8-12 tokens where 5-7
     paid, session 18)."""
-    import time
 
     from tests.harness import INT8_SELF
 
@@ -97,8 +98,6 @@ COMMIT_MS = 40.0  # a slow session store: every block's commit sleeps this long 
 
 def _slow_commits(store, ms: float) -> list[tuple[str, int]]:
     """Make every commit sleep `ms` first; returns a log of (session, tokens stored) after each."""
-    import time
-
     log, commit = [], store.commit
 
     def slow(rec, kept, lease=""):
@@ -120,8 +119,6 @@ def test_a_blocks_commit_overlaps_the_next_step_and_is_stored_before_it_is_sent(
         servicer = s.draft_servers[0].servicer
         servicer.inject_latency_ms, servicer.latency_enabled = SLEEP_MS, True  # each step takes > SLEEP_MS
         stored = _slow_commits(s.servicer.store, COMMIT_MS)
-        import time
-
         t0 = time.perf_counter()
         received, sid, stats = 0, "", {}
         for msg in s.client.stream(PROMPT, max_new_tokens=24, max_draft_len=4, ignore_eos=True):
@@ -147,8 +144,6 @@ def test_a_stream_cancelled_while_the_stepper_is_ahead_stores_only_what_it_sent(
     """With commits slower than steps the stepper runs up to STREAM_AHEAD blocks ahead of the stream. A client
     that goes away then leaves the session as stored (the blocks it was sent, the step count that goes with them);
     resuming it samples the same tokens as a run that was never interrupted (the sampling seeds follow the step)."""
-    import time
-
     s = start_stack(redis_url, draft=DRAFT_SAME, cfg=LoopConfig(draft_timeout_floor_ms=5000))
     try:
         kw = dict(max_new_tokens=64, max_draft_len=4, ignore_eos=True, temperature=0.9, seed=7)
