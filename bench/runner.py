@@ -132,6 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
+    p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
+                   help="auto: the target and the draft services on CPUs of their own, as `specdec run` starts them "
+                        "(specdec/cpu_affinity.py); off: the OS scheduler places them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where latest.json / latest.md / latest.png go")
@@ -885,6 +888,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
+    from specdec.cpu_affinity import format_cpu_list
     from specdec.models import load_model
     from specdec.stack import MODEL_STRATEGIES, QUANTIZED, StackConfig, resolve_draft_strategy
 
@@ -916,6 +920,7 @@ def run(args: argparse.Namespace) -> dict:
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
                              batch_wait_fraction=args.batch_wait_fraction,
                              draft_vocab=args.draft_vocab,
+                             pin_cpus=args.pin_cpus == "auto" and flags["target --cpu-affinity"],
                              log_dir=args.log_dir)
     t0 = time.perf_counter()
     services.launch()  # the services load their models while this process loads its own (HF anchors)
@@ -1054,6 +1059,8 @@ def run(args: argparse.Namespace) -> dict:
         reference.setdefault(s.prompt, s.tokens)
     rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
+    res["machine"]["cpu_affinity"] = ({name: format_cpu_list(cpus) for name, cpus in services.cpu_plan.items()}
+                                      or "not pinned (the OS scheduler places the services)")
     res["machine"].update(load_average_begin=load_begin, load_average_end=os.getloadavg(),
                           service_startup_s=startup_s, total_s=time.time() - t_begin, phases_s=phases)
     res["targets"] = evaluate_targets(res)

@@ -47,7 +47,7 @@ def available_flags() -> dict:
            "target --batch-window-ms": False, "target --batch-wait-fraction": False,
            "orchestrator --speculation-max-sessions": False,
            "orchestrator --draft local:ngram": False, "orchestrator --draft-len-policy": False,
-           "pipeline_modes": {}}
+           "target --cpu-affinity": False, "pipeline_modes": {}}
     try:
         from orchestrator.server import add_arguments as orch_args
 
@@ -73,6 +73,7 @@ def available_flags() -> dict:
         target_actions = _parser(target_args)._option_string_actions
         out["target --batch-window-ms"] = "--batch-window-ms" in target_actions
         out["target --batch-wait-fraction"] = "--batch-wait-fraction" in target_actions
+        out["target --cpu-affinity"] = "--cpu-affinity" in target_actions
     except Exception as e:  # noqa: BLE001
         log.warning("could not read target flags: %s", e)
     return out
@@ -91,6 +92,7 @@ class BenchServices:
     batch_window_ms: float | None = None  # start a second, batching target for the sessions sweep
     batch_wait_fraction: float | None = None  # its --batch-wait-fraction (None: the target's default)
     draft_vocab: int = 8192  # draft service --draft-vocab (model and hybrid strategies)
+    pin_cpus: bool = False  # the targets and the draft on CPUs of their own, as `specdec run` (cpu_affinity.py)
     log_dir: str | None = None
     redis: RedisServer | None = None
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -102,6 +104,18 @@ class BenchServices:
                                                            draft_model=self.draft_model))
         self.dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="specdec-bench-"))
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.cpu_plan: dict = {}
+        if self.pin_cpus:
+            from specdec.cpu_affinity import local_stack_plan
+
+            self.cpu_plan = local_stack_plan(self.threads, 1) or {}
+
+    def _affinity(self, name: str) -> list[str]:
+        """Both targets share the target's CPUs: the batched one runs only in the sessions sweep."""
+        from specdec.cpu_affinity import format_cpu_list
+
+        cpus = self.cpu_plan.get(name)
+        return ["--cpu-affinity", format_cpu_list(cpus)] if cpus else []
 
     def _common(self) -> list[str]:
         return ["--threads", str(self.threads), "--device", self.device, "--dtype", self.dtype]
@@ -127,13 +141,16 @@ class BenchServices:
         """Start Redis and the model services without waiting (the caller can load its own models meanwhile)."""
         try:
             self.redis = RedisServer(data_dir=str(self.dir / "redis")).start()
-            self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common()])
+            self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common(),
+                                   *self._affinity("target")])
             if self.batch_window_ms is not None:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
-                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms),
+                                               *self._common(), *self._affinity("target"),
+                                               "--batch-window-ms", str(self.batch_window_ms),
                                                *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
                                                  if self.batch_wait_fraction is not None else [])])
-            dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common()]
+            dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common(),
+                     *self._affinity("draft0")]
             dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
                                       ["--draft-vocab", str(self.draft_vocab)])
             self._spawn("draft", dargs)

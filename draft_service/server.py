@@ -11,7 +11,7 @@ import time
 import grpc
 
 from draft_service.proposers.base import Proposer
-from specdec import telemetry, wire
+from specdec import cpu_affinity, telemetry, wire
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -258,6 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cache-mb", type=int, default=2048)
     p.add_argument("--inject-latency-ms", type=float, default=0.0,
                    help="fault injection: delay every Propose (SIGUSR1 toggles it on/off)")
+    cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
 
@@ -265,7 +266,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> None:
     import torch
 
+    cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-draft", metrics_port=args.metrics_port)
+    cpu_affinity.log_pinning(log, cpus, args.threads)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,

@@ -19,7 +19,7 @@ from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
-from specdec import telemetry
+from specdec import cpu_affinity, telemetry
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
@@ -441,6 +441,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
     p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
                    help="file with one bearer token per line; when set, the public API requires one")
+    cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
     p.add_argument("--tls-public-no-client-cert", action="store_true",
@@ -455,7 +456,9 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
+    cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
+    cpu_affinity.log_pinning(log, cpus, 1)
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,

@@ -28,6 +28,10 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                         "0 for `run`'s one session)")
     p.add_argument("--store", choices=["redis", "memory"], default="redis")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
+                   help="auto: the target and each draft on CPUs of their own when enough are allowed (threads "
+                        "each), so a pipelined step's two requests do not queue behind each other's compute; "
+                        "off: the OS scheduler places them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--log-dir", default=None)
@@ -40,7 +44,8 @@ def _stack_config(args):
                        draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
-                       store=args.store, threads=args.threads, device=args.device, dtype=args.dtype)
+                       store=args.store, threads=args.threads, device=args.device, dtype=args.dtype,
+                       pin_cpus=args.pin_cpus)
 
 
 def _generation_arguments(p: argparse.ArgumentParser) -> None:

@@ -111,6 +111,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     orchestrator_port: int = 0
     metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
+    # auto: the target and each draft process on CPUs of their own where enough are allowed (cpu_affinity.py;
+    # `specdec run/up` and the benchmark); off: the scheduler places them (tests start many stacks at once).
+    pin_cpus: str = "off"
 
 
 MODEL_STRATEGIES = ("model", "hybrid", "quantized")  # draft strategies that load a draft model
@@ -181,6 +184,22 @@ class LocalStack:
         self.drafts: list[ServiceProcess] = []
         self.orchestrator: ServiceProcess | None = None
         self.draft_strategy = resolve_draft_strategy(cfg)
+        self.cpu_plan = self._cpu_plan()
+
+    def _cpu_plan(self) -> dict[str, set[int]]:
+        if self.cfg.pin_cpus not in ("auto", "off"):
+            raise ValueError(f"pin_cpus must be auto or off, not {self.cfg.pin_cpus!r}")
+        if self.cfg.pin_cpus == "off":
+            return {}
+        from specdec.cpu_affinity import local_stack_plan
+
+        drafts = 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
+        return local_stack_plan(self.cfg.threads, drafts) or {}
+
+    def _affinity(self, name: str) -> list[str]:
+        from specdec.cpu_affinity import format_cpu_list
+
+        return ["--cpu-affinity", format_cpu_list(self.cpu_plan[name])] if name in self.cpu_plan else []
 
     @property
     def address(self) -> str:
@@ -209,10 +228,11 @@ class LocalStack:
                 from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
-                                                    *self._batching(), *cfg.target_args], self.log_dir).start()
+                                                    *self._batching(), *self._affinity("target"), *cfg.target_args],
+                                          self.log_dir).start()
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
-                         *self._metrics(2 + i)]
+                         *self._metrics(2 + i), *self._affinity(f"draft{i}")]
                 dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
                 self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
             target_addr = self.target.wait_ready(timeout)

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from specdec import telemetry, wire
+from specdec import cpu_affinity, telemetry, wire
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.kv_cache import SessionCacheStore
 from specdec.models import DEFAULT_TARGET, load_model
@@ -167,6 +167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-forward", choices=["on", "off"], default="on",
                    help="measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and "
                         "report it in GetInfo, for the orchestrator's adaptive draft length")
+    cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
 
@@ -176,7 +177,9 @@ def serve(args: argparse.Namespace) -> None:
 
     if not 0.0 <= args.batch_wait_fraction <= 1.0:
         raise SystemExit(f"--batch-wait-fraction must be between 0 and 1, got {args.batch_wait_fraction}")
+    cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-target", metrics_port=args.metrics_port)
+    cpu_affinity.log_pinning(log, cpus, args.threads)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
