@@ -278,3 +278,37 @@ def test_get_outline_rpc_and_command(stack, capsys):
     assert stats_cli.outline_main(["--address", stack.client.address]) == 0
     text = capsys.readouterr().out
     assert "draftStrategy:" in text and "acceptanceRate:" in text
+
+
+def test_spans_are_built_only_where_they_are_exported():
+    """A process without a span processor drops spans at the sampler (they cost the speculative step's round
+    trips for nothing) but still propagates the trace; once one is added, every span is recorded, even under a
+    caller that did not record its own."""
+    import subprocess
+    import sys
+
+    code = """
+from opentelemetry import propagate
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from specdec import telemetry
+telemetry.ensure_providers("t")
+with telemetry.span("unexported") as s:
+    carrier = {}
+    propagate.inject(carrier)
+    print(s.is_recording(), s.get_span_context().is_valid, carrier["traceparent"].split("-")[1])
+exporter = InMemorySpanExporter()
+telemetry.add_span_processor(SimpleSpanProcessor(exporter))
+parent = propagate.extract(carrier)
+with telemetry.tracer_provider().get_tracer("t").start_as_current_span("child", context=parent) as s:
+    print(s.is_recording())
+print([(x.name, format(x.context.trace_id, "032x")) for x in exporter.get_finished_spans()])
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    first, second, spans = out.stdout.strip().splitlines()
+    recording, valid, trace_id = first.split()
+    assert (recording, valid) == ("False", "True")  # not built, yet a real trace context to pass on
+    assert second == "True"
+    assert spans == str([("child", trace_id)])  # the exporting side joins the caller's trace
