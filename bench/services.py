@@ -92,7 +92,7 @@ class BenchServices:
     batch_window_ms: float | None = None  # start a second, batching target for the sessions sweep
     batch_wait_fraction: float | None = None  # its --batch-wait-fraction (None: the target's default)
     draft_vocab: int = 8192  # draft service --draft-vocab (model and hybrid strategies)
-    pin_cpus: bool = False  # the targets and the draft on CPUs of their own, as `specdec run` (cpu_affinity.py)
+    pin_cpus: bool = False  # target and draft on CPUs of their own, as `specdec run` (cpu_affinity.py); unpin()
     log_dir: str | None = None
     redis: RedisServer | None = None
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -111,11 +111,21 @@ class BenchServices:
             self.cpu_plan = local_stack_plan(self.threads, 1) or {}
 
     def _affinity(self, name: str) -> list[str]:
-        """Both targets share the target's CPUs: the batched one runs only in the sessions sweep."""
         from specdec.cpu_affinity import format_cpu_list
 
         cpus = self.cpu_plan.get(name)
         return ["--cpu-affinity", format_cpu_list(cpus)] if cpus else []
+
+    def unpin(self) -> None:
+        """Let the scheduler place the services again (the sessions sweeps: `specdec up` does not pin, as many
+        sessions' gRPC work would share each service's one CPU with its compute)."""
+        from specdec.cpu_affinity import allowed_cpus, pin_pid
+
+        for name in ("target", "draft"):
+            p = self.procs.get(name)
+            if name.replace("draft", "draft0") in self.cpu_plan and p is not None and p.proc is not None:
+                pin_pid(p.proc.pid, allowed_cpus())
+        self.cpu_plan = {}
 
     def _common(self) -> list[str]:
         return ["--threads", str(self.threads), "--device", self.device, "--dtype", self.dtype]
@@ -145,8 +155,7 @@ class BenchServices:
                                    *self._affinity("target")])
             if self.batch_window_ms is not None:
                 self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
-                                               *self._common(), *self._affinity("target"),
-                                               "--batch-window-ms", str(self.batch_window_ms),
+                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms),
                                                *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
                                                  if self.batch_wait_fraction is not None else [])])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common(),

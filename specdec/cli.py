@@ -28,10 +28,11 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                         "0 for `run`'s one session)")
     p.add_argument("--store", choices=["redis", "memory"], default="redis")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
-    p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
+    p.add_argument("--pin-cpus", choices=["auto", "off"],
                    help="auto: the target and each draft on CPUs of their own when enough are allowed (threads "
-                        "each), so a pipelined step's two requests do not queue behind each other's compute; "
-                        "off: the OS scheduler places them")
+                        "each), so a pipelined step's two requests do not queue behind each other's compute; off: "
+                        "the OS scheduler places them (default: auto for `run`'s one session, off for `up`, where "
+                        "many sessions' gRPC work would share the pinned CPUs: specdec/cpu_affinity.py)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--log-dir", default=None)
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
-    up.set_defaults(func=cmd_up, batch_window_ms=5.0)
+    up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
     gen.add_argument("prompt")
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["speculative", "target-only"], default="speculative")
     _stack_arguments(run)
     _generation_arguments(run)
-    run.set_defaults(func=cmd_run, batch_window_ms=0.0)
+    run.set_defaults(func=cmd_run, batch_window_ms=0.0, pin_cpus="auto")
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
     sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "

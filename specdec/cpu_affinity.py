@@ -4,7 +4,11 @@ Why: when the target and the draft share a host, each runs one compute thread, a
 both a request within a fraction of a millisecond. Left to the scheduler, the second one to wake was often queued
 behind the first one's compute on the same CPU: on this 2-vCPU VM its request reached the handler 4-15 ms late in
 about one step in ten (median 0.8 ms), and a pipelined step waits for both. Pinned to different CPUs, neither waits
-for the other (docs/benchmark.md, session 21).
+for the other: one session ran 8-14% faster (docs/benchmark.md, session 21).
+
+The cost: a pinned service's gRPC threads share its CPUs with its compute. With 8 concurrent sessions (batched
+target) that work is no longer small, and 8 sessions ran 4-18% slower pinned one CPU each. So `specdec run` (one
+session) pins by default and `specdec up` (a server) does not; give a pinned server more CPUs than compute threads.
 """
 
 from __future__ import annotations
@@ -71,6 +75,15 @@ def pin_process(spec: str) -> set[int] | None:
         except ProcessLookupError:  # the thread ended meanwhile
             pass
     return cpus
+
+
+def pin_pid(pid: int, cpus: set[int]) -> None:
+    """Set the CPUs of every thread of another process (as `taskset -a -p`), e.g. to unpin it again."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass
 
 
 def local_stack_plan(threads: int, drafts: int, allowed: set[int] | None = None) -> dict[str, set[int]] | None:

@@ -47,9 +47,12 @@ def test_the_plan_gives_the_target_and_each_draft_cpus_of_their_own():
     assert local_stack_plan(2, 1, {0, 1, 2}) is None
 
 
-def test_run_and_up_pin_by_default_the_library_does_not(tmp_path, monkeypatch):
-    assert cli._stack_config(cli.build_parser().parse_args(["run"])).pin_cpus == "auto"
-    assert cli._stack_config(cli.build_parser().parse_args(["up", "--pin-cpus", "off"])).pin_cpus == "off"
+def test_run_pins_by_default_up_and_the_library_do_not(tmp_path, monkeypatch):
+    def pin(argv):
+        return cli._stack_config(cli.build_parser().parse_args(argv)).pin_cpus
+
+    assert pin(["run"]) == "auto" and pin(["run", "--pin-cpus", "off"]) == "off"
+    assert pin(["up"]) == "off" and pin(["up", "--pin-cpus", "auto"]) == "auto"  # a server: many sessions
     assert StackConfig().pin_cpus == "off"  # tests start many stacks at once
     monkeypatch.setattr(cpu_affinity, "allowed_cpus", lambda: {0, 1, 2, 3})
     stack = LocalStack(StackConfig(pin_cpus="auto", draft_strategy="ngram"), str(tmp_path))
