@@ -996,7 +996,7 @@ def run(args: argparse.Namespace) -> dict:
                     progress.update(1)
 
         phase("single_session_configs")
-        pinned = {name: format_cpu_list(cpus) for name, cpus in services.cpu_plan.items()}
+        pinned = {name.replace("draft0", "draft"): format_cpu_list(cpus) for name, cpus in services.cpu_plan.items()}
         services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
         # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
         # speculative one) with its orchestrator flags and draft length.

@@ -121,7 +121,8 @@ def cmd_up(args) -> int:
     stack.start()
     print(json.dumps({"orchestrator": stack.address, "target": stack.target.address,
                       "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
-                      "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir)}), flush=True)
+                      "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
+                      "cpu_affinity": stack.cpu_affinity()}), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
@@ -155,6 +156,7 @@ def cmd_run(args) -> int:
         out = result.to_json()
         out["mode"] = args.mode
         out["draft_strategy"] = stack.draft_strategy if args.mode == "speculative" else None
+        out["cpu_affinity"] = stack.cpu_affinity()
         print(json.dumps(out))
     else:
         _print_result(result, args)

@@ -196,6 +196,12 @@ class LocalStack:
         drafts = 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
         return local_stack_plan(self.cfg.threads, drafts) or {}
 
+    def cpu_affinity(self) -> dict[str, str]:
+        """Where the services were pinned ({"target": "1", "draft0": "0"}); empty when nothing was."""
+        from specdec.cpu_affinity import format_cpu_list
+
+        return {name: format_cpu_list(cpus) for name, cpus in self.cpu_plan.items()}
+
     def _affinity(self, name: str) -> list[str]:
         from specdec.cpu_affinity import format_cpu_list
 

@@ -58,6 +58,7 @@ def test_run_pins_by_default_up_and_the_library_do_not(tmp_path, monkeypatch):
     stack = LocalStack(StackConfig(pin_cpus="auto", draft_strategy="ngram"), str(tmp_path))
     assert stack.cpu_plan == {"target": {3}, "draft0": {2}}
     assert stack._affinity("target") == ["--cpu-affinity", "3"] and stack._affinity("draft0") == ["--cpu-affinity", "2"]
+    assert stack.cpu_affinity() == {"target": "3", "draft0": "2"}  # what `specdec run --json` and `up` print
     assert LocalStack(StackConfig(draft_strategy="ngram"), str(tmp_path))._affinity("target") == []
     with pytest.raises(ValueError, match="auto or off"):
         LocalStack(StackConfig(pin_cpus="yes", draft_strategy="ngram"), str(tmp_path))

@@ -78,3 +78,7 @@ def test_specdec_run_json(tmp_path):
     assert spec["text"] == loaded.tokenizer.decode(ref, skip_special_tokens=True) and spec["text"].startswith("t")
     assert spec["verify_steps"] > 0 and spec["draft_strategy"] == "local-ngram"
     assert spec["tokens_per_second"] > 0
+    from specdec.cpu_affinity import format_cpu_list, local_stack_plan
+
+    plan = local_stack_plan(1, 0) or {}  # `run` pins the target (no draft process here) where 2+ CPUs are allowed
+    assert spec["cpu_affinity"] == {k: format_cpu_list(v) for k, v in plan.items()}
