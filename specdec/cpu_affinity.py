@@ -49,9 +49,12 @@ def format_cpu_list(cpus) -> str:
     return ",".join(out)
 
 
+SUPPORTED = hasattr(os, "sched_setaffinity")  # Linux; not macOS or Windows
+
+
 def allowed_cpus() -> set[int]:
     """The CPUs this process may run on (its cgroup cpuset or taskset), not merely how many the machine has."""
-    return set(os.sched_getaffinity(0))
+    return set(os.sched_getaffinity(0)) if SUPPORTED else set(range(os.cpu_count() or 1))
 
 
 def pin_process(spec: str) -> set[int] | None:
@@ -60,6 +63,8 @@ def pin_process(spec: str) -> set[int] | None:
     cpus = parse_cpu_list(spec)
     if not cpus:
         return None
+    if not SUPPORTED:
+        raise ValueError(f"--cpu-affinity {spec}: this platform cannot pin threads to CPUs (Linux only)")
     allowed = allowed_cpus()
     if not cpus <= allowed:
         raise ValueError(f"--cpu-affinity {spec}: CPU {format_cpu_list(cpus - allowed)} is not available to this "
@@ -91,6 +96,8 @@ def local_stack_plan(threads: int, drafts: int, allowed: set[int] | None = None)
     """Disjoint CPUs for a one-host stack: the target gets the last `threads` allowed CPUs, draft i the `threads`
     before those (and so on); the orchestrator, Redis and clients are left to float, as their work is short.
     None when the CPUs do not go round (pinning two compute threads to one CPU would be worse than not pinning)."""
+    if allowed is None and not SUPPORTED:
+        return None
     cpus = sorted(allowed_cpus() if allowed is None else allowed)
     need = threads * (1 + drafts)
     if threads < 1 or len(cpus) < need or len(cpus) < 2:

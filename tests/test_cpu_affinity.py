@@ -106,3 +106,11 @@ def test_a_service_started_with_cpu_affinity_runs_only_there(tmp_path):
     with pytest.raises(RuntimeError, match="exited") as err:
         bad.wait_ready(60)
     assert "is not available to this process (allowed:" in str(err.value)
+
+
+def test_where_threads_cannot_be_pinned_run_pins_nothing_and_the_flag_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_affinity, "SUPPORTED", False)
+    assert local_stack_plan(1, 1) is None  # `specdec run` on macOS: not pinned, not a crash
+    assert cpu_affinity.pin_process("") is None
+    with pytest.raises(ValueError, match="Linux only"):
+        cpu_affinity.pin_process("0")
