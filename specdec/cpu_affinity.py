@@ -17,6 +17,9 @@ from __future__ import annotations
 import os
 
 
+MAX_CPUS = 8192  # Linux's largest NR_CPUS; a list past it is a typo, not a set worth building
+
+
 def parse_cpu_list(text: str) -> set[int]:
     """'0-3,6' -> {0, 1, 2, 3, 6} (the format of `taskset -c` and cgroup cpusets). Empty -> empty set."""
     cpus: set[int] = set()
@@ -30,6 +33,8 @@ def parse_cpu_list(text: str) -> set[int]:
             raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU number or a range like 2-3") from None
         if first < 0 or last < first:
             raise ValueError(f"CPU list {text!r}: {part!r} is not a range of CPU numbers (low-high, low <= high)")
+        if last >= MAX_CPUS:
+            raise ValueError(f"CPU list {text!r}: CPU {last} is past the largest CPU number Linux has ({MAX_CPUS - 1})")
         cpus.update(range(first, last + 1))
     return cpus
 
