@@ -888,7 +888,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
-    from specdec.cpu_affinity import format_cpu_list
+    from specdec.cpu_affinity import describe as describe_cpu_plan
     from specdec.models import load_model
     from specdec.stack import MODEL_STRATEGIES, QUANTIZED, StackConfig, resolve_draft_strategy
 
@@ -996,7 +996,7 @@ def run(args: argparse.Namespace) -> dict:
                     progress.update(1)
 
         phase("single_session_configs")
-        pinned = {name.replace("draft0", "draft"): format_cpu_list(cpus) for name, cpus in services.cpu_plan.items()}
+        pinned = describe_cpu_plan(services.cpu_plan)
         services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
         # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
         # speculative one) with its orchestrator flags and draft length.

@@ -104,27 +104,27 @@ class BenchServices:
                                                            draft_model=self.draft_model))
         self.dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="specdec-bench-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.cpu_plan: dict = {}
+        self.cpu_plan: dict = {}  # process name -> CPUs (the batched target is never pinned: sweeps only)
         if self.pin_cpus:
             from specdec.cpu_affinity import local_stack_plan
 
-            self.cpu_plan = local_stack_plan(self.threads, 1) or {}
+            plan = local_stack_plan(self.threads, 1) or {}
+            self.cpu_plan = {"draft" if name == "draft0" else name: cpus for name, cpus in plan.items()}
 
     def _affinity(self, name: str) -> list[str]:
-        from specdec.cpu_affinity import format_cpu_list
+        from specdec.cpu_affinity import affinity_args
 
-        cpus = self.cpu_plan.get(name)
-        return ["--cpu-affinity", format_cpu_list(cpus)] if cpus else []
+        return affinity_args(self.cpu_plan, name)
 
     def unpin(self) -> None:
         """Let the scheduler place the services again (the sessions sweeps: `specdec up` does not pin, as many
         sessions' gRPC work would share each service's one CPU with its compute)."""
-        from specdec.cpu_affinity import allowed_cpus, pin_pid
+        from specdec.cpu_affinity import allowed_cpus, pin_threads
 
-        for name in ("target", "draft"):
+        for name in self.cpu_plan:
             p = self.procs.get(name)
-            if name.replace("draft", "draft0") in self.cpu_plan and p is not None and p.proc is not None:
-                pin_pid(p.proc.pid, allowed_cpus())
+            if p is not None and p.proc is not None:
+                pin_threads(p.proc.pid, allowed_cpus())
         self.cpu_plan = {}
 
     def _common(self) -> list[str]:
@@ -159,7 +159,7 @@ class BenchServices:
                                                *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
                                                  if self.batch_wait_fraction is not None else [])])
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common(),
-                     *self._affinity("draft0")]
+                     *self._affinity("draft")]
             dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
                                       ["--draft-vocab", str(self.draft_vocab)])
             self._spawn("draft", dargs)

@@ -74,26 +74,24 @@ def pin_process(spec: str) -> set[int] | None:
     if not cpus <= allowed:
         raise ValueError(f"--cpu-affinity {spec}: CPU {format_cpu_list(cpus - allowed)} is not available to this "
                          f"process (allowed: {format_cpu_list(allowed)})")
-    # sched_setaffinity applies to one thread; new threads inherit their creator's mask, so set every thread
-    # that exists already (grpc and torch may have started some at import).
+    pin_threads("self", cpus)
+    return cpus
+
+
+def pin_threads(pid: int | str, cpus: set[int]) -> None:
+    """Set the CPUs of every thread of process `pid` ("self": this one), as `taskset -a -p`. sched_setaffinity
+    applies to one thread and new threads inherit their creator's mask, so every thread that exists already is set
+    (grpc and torch may have started some at import)."""
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no procfs: the calling thread, inherited by every thread started from now on
-        tids = [0]
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        if pid != "self":
+            raise
+        tids = [0]  # no procfs: the calling thread, inherited by every thread started from now on
     for tid in tids:
         try:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:  # the thread ended meanwhile
-            pass
-    return cpus
-
-
-def pin_pid(pid: int, cpus: set[int]) -> None:
-    """Set the CPUs of every thread of another process (as `taskset -a -p`), e.g. to unpin it again."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
             pass
 
 
@@ -112,6 +110,16 @@ def local_stack_plan(threads: int, drafts: int, allowed: set[int] | None = None)
         hi = len(cpus) - threads * (i + 1)
         plan[f"draft{i}"] = set(cpus[hi - threads:hi])
     return plan
+
+
+def affinity_args(plan: dict[str, set[int]], name: str) -> list[str]:
+    """The `--cpu-affinity` arguments of the service `name` in a plan; none where the plan leaves it alone."""
+    return ["--cpu-affinity", format_cpu_list(plan[name])] if name in plan else []
+
+
+def describe(plan: dict[str, set[int]]) -> dict[str, str]:
+    """{"target": {1}, "draft0": {0}} -> {"target": "1", "draft0": "0"} (for JSON)."""
+    return {name: format_cpu_list(cpus) for name, cpus in plan.items()}
 
 
 def add_argument(p) -> None:

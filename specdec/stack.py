@@ -112,7 +112,7 @@ class StackConfig:
     orchestrator_port: int = 0
     metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
     # auto: the target and each draft process on CPUs of their own where enough are allowed (cpu_affinity.py;
-    # `specdec run/up` and the benchmark); off: the scheduler places them (tests start many stacks at once).
+    # `specdec run`, the benchmark's single sessions); off: the scheduler places them (`specdec up`, tests).
     pin_cpus: str = "off"
 
 
@@ -198,14 +198,14 @@ class LocalStack:
 
     def cpu_affinity(self) -> dict[str, str]:
         """Where the services were pinned ({"target": "1", "draft0": "0"}); empty when nothing was."""
-        from specdec.cpu_affinity import format_cpu_list
+        from specdec.cpu_affinity import describe
 
-        return {name: format_cpu_list(cpus) for name, cpus in self.cpu_plan.items()}
+        return describe(self.cpu_plan)
 
     def _affinity(self, name: str) -> list[str]:
-        from specdec.cpu_affinity import format_cpu_list
+        from specdec.cpu_affinity import affinity_args
 
-        return ["--cpu-affinity", format_cpu_list(self.cpu_plan[name])] if name in self.cpu_plan else []
+        return affinity_args(self.cpu_plan, name)
 
     @property
     def address(self) -> str:
