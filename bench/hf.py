@@ -71,7 +71,7 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, eos_ids: list[int], 
     return HFRun(out[0, len(ids):].tolist(), wall, tc.n, dc.n)
 
 
-def _session(loaded, ids: list[int]):
+def prompt_session(loaded, ids: list[int]):
     # The services' own KV-cache code path (specdec.kv_cache.CachedLM), so the step times match theirs.
     from specdec.kv_cache import CachedLM, SessionCacheStore
 
@@ -87,11 +87,11 @@ def step_costs(target, draft, ids: list[int], sizes: list[int], reps: int = 8) -
     Each repetition times, in an order rotated per repetition, one cached forward of n new tokens on the
     target for n in ``[1] + sizes`` (each cropped back afterwards, so the context stays the prompt), and
     after each of them one single-token draft step (when there is a draft model)."""
-    t_lm, t_sess, tok = _session(target, ids)
+    t_lm, t_sess, tok = prompt_session(target, ids)
     t_base = len(t_sess.tokens)
     d = None
     if draft is not None:
-        d_lm, d_sess, d_tok = _session(draft, ids)
+        d_lm, d_sess, d_tok = prompt_session(draft, ids)
         d = (d_lm, d_sess, d_tok, len(d_sess.tokens))
     order = [1] + [n for n in sizes if n != 1]
     times: dict[int, list[float]] = {n: [] for n in order}

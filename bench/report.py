@@ -171,7 +171,12 @@ def markdown(res: dict) -> str:
               *([f"- a bare gRPC call in the benchmark process (no service code) costs {_f(ov['grpc_bare_ms'], 2)} ms beyond "
                  f"its handler's time, {_f(ov['grpc_bare_after_wait_ms'], 2)} ms when the handler first sleeps a target step "
                  f"({_f(ov.get('grpc_wait_ms'), 0)} ms): the difference is this host waking the threads that waited, and each "
-                 "Verify and Propose above pays it"] if ov.get("grpc_bare_after_wait_ms") is not None else []),
+                 "Verify and Propose above pays it"
+                 + (f"; {_f(ov['grpc_bare_after_forward_ms'], 2)} ms when the handler runs a verify's forward of the target "
+                    f"model (the floor of a Python gRPC round trip around a verify here, "
+                    f"{_f(100 * ov['grpc_bare_after_forward_ms'] / mb['target_step_ms'], 1)}% of a target step)"
+                    if ov.get("grpc_bare_after_forward_ms") is not None else "")]
+                if ov.get("grpc_bare_after_wait_ms") is not None else []),
               f"- so a speculative step pays about {_f(ov.get('per_step_system_overhead_ms'), 1)} ms of RPC + Redis "
               f"overhead against a target step of {_f(mb['target_step_ms'], 1)} ms "
               f"({_f(100 * (ov.get('per_step_system_overhead_ms') or 0) / mb['target_step_ms'], 1)}%); with the "

@@ -413,11 +413,28 @@ def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int =
     return out
 
 
-def bare_grpc_cost(wait_ms: float, reps: int = 20) -> tuple[float, float]:
+def verify_forward(target, ids: list[int], n: int):
+    """One cached forward of n new tokens on the target after the prompt, cropped back after: a verify's work
+    (see bench.hf.step_costs)."""
+    from bench.hf import prompt_session
+
+    lm, sess, tok = prompt_session(target, ids)
+    base = len(sess.tokens)
+
+    def forward() -> None:
+        lm.extend(sess, [tok] * n)
+        lm.crop(sess, base)
+
+    return forward
+
+
+def bare_grpc_cost(wait_ms: float, reps: int = 20, forward=None) -> dict:
     """Medians of a bare gRPC call in this process (no interceptors, no service code) beyond what its handler
-    slept: with no sleep, and with the handler first sleeping wait_ms (a target step). The difference is what
-    this host takes to wake threads that waited that long (a client blocked on the call, the server's poller),
-    which every Verify and Propose pays on top of gRPC's own cost."""
+    did: nothing, sleeping wait_ms (a target step), and running `forward()` (a verify's forward of the target
+    model, when given). Sleep minus nothing is this host waking threads that waited that long (a client blocked
+    on the call, the server's poller); forward minus sleep is the same call's code running from caches the
+    model's weights just swept. Every Verify pays both on top of gRPC's own cost: together they are the floor
+    of a Python gRPC round trip around a target forward here, whatever the service code does."""
     import statistics
     from concurrent import futures
 
@@ -425,7 +442,11 @@ def bare_grpc_cost(wait_ms: float, reps: int = 20) -> tuple[float, float]:
 
     def handler(request, context):
         t0 = time.perf_counter()
-        time.sleep(float(request.decode()) / 1e3)
+        ms = float(request.decode())
+        if ms < 0:
+            forward()
+        else:
+            time.sleep(ms / 1e3)
         return repr(time.perf_counter() - t0).encode()
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -435,24 +456,27 @@ def bare_grpc_cost(wait_ms: float, reps: int = 20) -> tuple[float, float]:
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     call = channel.unary_unary("/bench.Wait/Wait")
-    out = []
+    cases = {"grpc_bare_ms": 0.0, "grpc_bare_after_wait_ms": wait_ms}
+    if forward is not None:
+        cases["grpc_bare_after_forward_ms"] = -1.0
+    out = {}
     try:
-        for ms in (0.0, wait_ms):
-            call(b"0", timeout=10)
+        for key, ms in cases.items():
+            call(repr(ms).encode(), timeout=60)
             extra = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                slept = float(call(repr(ms).encode(), timeout=10))
-                extra.append((time.perf_counter() - t0 - slept) * 1e3)
-            out.append(statistics.median(extra))
+                took = float(call(repr(ms).encode(), timeout=60))
+                extra.append((time.perf_counter() - t0 - took) * 1e3)
+            out[key] = statistics.median(extra)
     finally:
         channel.close()
         server.stop(0)
-    return out[0], out[1]
+    return out
 
 
 def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, model_reps: int = 6,
-                      step_ms: float = 50.0) -> dict:
+                      step_ms: float = 50.0, forward=None) -> dict:
     """Loopback costs around the models, measured against the running services.
 
     * an empty unary RPC (TargetService.GetInfo) and the orchestrator's per-step Redis commit;
@@ -531,7 +555,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         rtimes.append((time.perf_counter() - t0) * 1e3)
     store.delete(rec.session_id)
     out["redis_commit_ms"] = med(rtimes)
-    out["grpc_bare_ms"], out["grpc_bare_after_wait_ms"] = bare_grpc_cost(step_ms)
+    out.update(bare_grpc_cost(step_ms, forward=forward))
     out["grpc_wait_ms"] = step_ms
     out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
                                           + out["redis_commit_ms"])
@@ -541,8 +565,10 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
                    f"and Redis commit ({reps} each); *_rpc_overhead = client round trip - the model time the service "
                    "reports; per_step_system_overhead = Verify + Propose overheads + one Redis commit (the orchestrator's "
                    "own Python per step is on top); grpc_bare_ms / grpc_bare_after_wait_ms: a bare gRPC call in the "
-                   "benchmark process beyond its handler's sleep, without one and after sleeping grpc_wait_ms (a target "
-                   "step): the difference is this host waking threads that waited, part of every call's overhead")
+                   "benchmark process beyond its handler's time, without work and after sleeping grpc_wait_ms (a target "
+                   "step): the difference is this host waking threads that waited, part of every call's overhead; "
+                   f"grpc_bare_after_forward_ms: the same call around the target's forward of k+1 = {k + 1} tokens "
+                   "(the services' KV-cache path): the floor of a gRPC round trip around a verify on this host")
     return out
 
 
@@ -831,7 +857,14 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
     if key == "system_overhead_share":
         seq = cfgs.get(res.get("best_sequential_config") or "", {})
         seq_share = seq.get("system_overhead_share")
-        base_share = cfgs.get("specdec-target-only", {}).get("system_overhead_share")
+        base = cfgs.get("specdec-target-only", {})
+        base_share = base.get("system_overhead_share")
+        base_steps = (base.get("service_stats") or {}).get("decode_steps")
+        base_tokens = base["tokens"] / base_steps if base_steps and base.get("tokens") else None
+        bare = ov.get("grpc_bare_after_forward_ms")
+        floor = (f"; a bare gRPC call (no service code) around the target's forward of a verify block costs "
+                 f"{_fmt(bare, 2)} ms in the benchmark process, {_fmt(100 * bare / mb['target_step_ms'], 1)}% of a "
+                 f"target step before any service code runs" if bare is not None and mb.get("target_step_ms") else "")
         return (f"{'met' if value < thr else 'not met'}: {head.get('name')} waited "
                 f"{_fmt((per.get('rpc_overhead') or 0), 2)} ms per step on gRPC beyond the services' own time and "
                 f"{_fmt(per.get('redis_commit_critical'), 2)} ms on its Redis commit (of "
@@ -842,8 +875,9 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 f"the verify (prefetch hits {(head.get('pipeline') or {}).get('hits')} of "
                 f"{(head.get('pipeline') or {}).get('verify_steps')} verify steps); "
                 f"sequential ({seq.get('name')}) pays both round trips: {_fmt(100 * seq_share, 1) if seq_share else 'n/a'}%"
-                f", target-only decoding (one Decode and one commit a step) {_fmt(100 * base_share, 1) if base_share else 'n/a'}%"
-                f"; the microbenchmark: {sysov}")
+                f", target-only decoding {_fmt(100 * base_share, 1) if base_share else 'n/a'}% (a step there is one Decode "
+                f"call of {_fmt(base_tokens, 1)} tokens and one commit: {_fmt(100 * base_share / base_tokens, 1) if base_share and base_tokens else 'n/a'}% "
+                f"of its forwards); the microbenchmark: {sysov}{floor}")
     if key == "throughput_8_sessions_vs_1":
         rows = [c for c in res["configs"] if c.get("kind") == "sessions" and c.get("sweep") == res.get("sessions_sweep")]
         r1 = next((r for r in rows if r["sessions"] == 1), {})
@@ -958,7 +992,8 @@ def run(args: argparse.Namespace) -> dict:
         first = ids[prompts[0].name]
         micro = microbench(target, draft, first, args.draft_lens)
         phase("microbench")
-        overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"])
+        overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"],
+                                      forward=verify_forward(target, first, max(args.draft_lens) + 1))
         phase("overheads")
 
         batched = "target-batched" in services.addresses
