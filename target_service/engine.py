@@ -229,9 +229,10 @@ class TargetEngine:
             return len(sess.tokens)
 
     def export_kv(self, session_id: str, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The session's cached keys and values, [layers, kv_heads, positions, head_dim] each (float32 copies): all
-        its positions, or the first ones that fit in max_bytes as float16; None when not one fits or the cache is
-        not a plain per-layer one."""
+        """The session's cached keys and values, [layers, kv_heads, positions, head_dim] each, as float16 copies
+        (the wire's type, converted layer by layer: no full-precision copy of a long prompt's cache): all its
+        positions, or the first ones that fit in max_bytes; None when not one fits or the cache is not a plain
+        per-layer one."""
         sess = self.store.get(session_id)
         with sess.lock:
             layers = getattr(sess.cache, "layers", None)
@@ -241,8 +242,8 @@ class TargetEngine:
             n = min(len(sess.tokens), max_bytes // wire.kv_nbytes(len(layers), heads, 1, dim))
             if n < 1:
                 return None
-            keys = torch.stack([layer.keys[0, :, :n].float() for layer in layers])
-            values = torch.stack([layer.values[0, :, :n].float() for layer in layers])
+            keys = torch.stack([layer.keys[0, :, :n].to(torch.float16) for layer in layers])
+            values = torch.stack([layer.values[0, :, :n].to(torch.float16) for layer in layers])
             return keys, values
 
     def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],

@@ -68,10 +68,12 @@ def test_target_exports_its_cache_or_the_first_positions_that_fit():
     engine.prefill("s", 0, PROMPT)
     keys, values = engine.export_kv("s", 1 << 30)
     layers = engine.store.get("s").cache.layers
-    assert keys.shape == (3, 2, len(PROMPT), 16)
+    assert keys.shape == (3, 2, len(PROMPT), 16) and keys.dtype == values.dtype == torch.float16  # the wire's
     for i, layer in enumerate(layers):
-        torch.testing.assert_close(keys[i], layer.keys[0], rtol=0, atol=0)
-        torch.testing.assert_close(values[i], layer.values[0], rtol=0, atol=0)
+        torch.testing.assert_close(keys[i], layer.keys[0].half(), rtol=0, atol=0)
+        torch.testing.assert_close(values[i], layer.values[0].half(), rtol=0, atol=0)
+    block = wire.encode_kv(keys, values, "fp")  # the same bytes as the full-precision cache converted on the wire
+    assert block.keys_fp16 == wire.encode_kv(torch.stack([layer.keys[0] for layer in layers]), values, "fp").keys_fp16
     per_position = wire.kv_nbytes(3, 2, 1, 16)
     part, _ = engine.export_kv("s", 10 * per_position + 1)
     assert part.shape[2] == 10
