@@ -440,13 +440,13 @@ def bare_grpc_cost(wait_ms: float, reps: int = 20, forward=None) -> dict:
 
     import grpc
 
-    def handler(request, context):
+    work = {"grpc_bare_ms": lambda: None, "grpc_bare_after_wait_ms": lambda: time.sleep(wait_ms / 1e3)}
+    if forward is not None:
+        work["grpc_bare_after_forward_ms"] = forward
+
+    def handler(request, context):  # the request names the case; the reply is what its work took
         t0 = time.perf_counter()
-        ms = float(request.decode())
-        if ms < 0:
-            forward()
-        else:
-            time.sleep(ms / 1e3)
+        work[request.decode()]()
         return repr(time.perf_counter() - t0).encode()
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -456,17 +456,14 @@ def bare_grpc_cost(wait_ms: float, reps: int = 20, forward=None) -> dict:
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     call = channel.unary_unary("/bench.Wait/Wait")
-    cases = {"grpc_bare_ms": 0.0, "grpc_bare_after_wait_ms": wait_ms}
-    if forward is not None:
-        cases["grpc_bare_after_forward_ms"] = -1.0
     out = {}
     try:
-        for key, ms in cases.items():
-            call(repr(ms).encode(), timeout=60)
+        for key in work:
+            call(key.encode(), timeout=60)
             extra = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                took = float(call(repr(ms).encode(), timeout=60))
+                took = float(call(key.encode(), timeout=60))
                 extra.append((time.perf_counter() - t0 - took) * 1e3)
             out[key] = statistics.median(extra)
     finally:
