@@ -62,27 +62,76 @@ def _generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _generate(client, args, prompt: str, speculation: bool | None):
+def _generate(client, args, prompt: str | None, speculation: bool | None, resume: tuple[str, int] | None = None):
+    """One generation through `client`; without --json its text is printed as it streams."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, max_draft_len=args.max_draft_len,
                   chat=not args.no_chat, ignore_eos=args.ignore_eos, speculation=speculation)
-    if args.json:
-        return client.generate(prompt, **kwargs)
-    from specdec.client import FINISH_REASONS, GenerationResult, _stats_dict
-    import time
+    if resume is not None:
+        kwargs.update(resume_session_id=resume[0], resume_from=resume[1])
+    if getattr(args, "timeout", None):
+        kwargs["timeout_s"] = args.timeout
+    progress = vars(args).setdefault("progress", _progress())  # what a failure's message reports
 
-    t0 = time.perf_counter()
-    text, tokens, sid, stats, finish = [], [], "", {}, "unspecified"
-    for msg in client.stream(prompt, **kwargs):
-        sid = msg.session_id or sid
-        sys.stdout.write(msg.text)
+    def on_message(msg) -> None:
+        progress["session_id"] = msg.session_id or progress["session_id"]
+        if msg.token_ids:
+            progress["next_token"] = msg.offset + len(msg.token_ids)
+        if not args.json and msg.text:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            progress["printed"] = True
+
+    result = client.generate(prompt, on_message=on_message, **kwargs)
+    if not args.json:
+        sys.stdout.write("\n")
+    return result
+
+
+def _progress() -> dict:
+    """A generation's progress as far as the client saw it: its session, the next token index, text printed."""
+    return {"session_id": "", "next_token": 0, "printed": False}
+
+
+# Exit statuses: 2 for a request the server refused as invalid (as argparse's usage errors), 130 after Ctrl-C.
+_USAGE_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE")
+
+
+def _failed(args, code: str, message: str, hint: str = "") -> int:
+    """Report a generation that did not finish: one line on stderr (and, with --json, one object on stdout)."""
+    progress = args.progress
+    if progress["printed"]:
+        sys.stdout.write("\n")  # end the partial text's line
         sys.stdout.flush()
-        text.append(msg.text)
-        tokens.extend(msg.token_ids)
-        if msg.HasField("stats"):
-            stats, finish = _stats_dict(msg.stats), FINISH_REASONS.get(msg.finish_reason, "unspecified")
-    sys.stdout.write("\n")
-    return GenerationResult(sid, "".join(text), tokens, finish, stats, time.perf_counter() - t0)
+    print(f"specdec {args.command}: {code}: {message}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
+    if args.json:
+        error = {"code": code, "message": message}
+        if progress["session_id"]:
+            error.update(session_id=progress["session_id"], resume_from=progress["next_token"])
+        print(json.dumps({"error": error}))
+    if code == "CANCELLED":
+        return 130
+    return 2 if code in _USAGE_CODES else 1
+
+
+def _resume_hint(args) -> str:
+    """How to continue a session whose stream ended early (an orchestrator keeps it; `run` stops its own)."""
+    sid = args.progress["session_id"]
+    if not sid or args.command != "generate":
+        return ""
+    return (f"the session is kept; continue it with: specdec generate --address {args.address} --resume {sid} "
+            f"--resume-from {args.progress['next_token']}")
+
+
+def _rpc_failed(args, e) -> int:
+    code = e.code().name if callable(getattr(e, "code", None)) else "UNKNOWN"
+    details = (e.details() if callable(getattr(e, "details", None)) else None) or str(e)
+    hint = _resume_hint(args)
+    if not hint and code == "UNAVAILABLE" and args.command == "generate":
+        hint = f"is an orchestrator running at {args.address}? (`specdec up` starts a local one)"
+    elif code == "UNAUTHENTICATED":
+        hint = "set SPECDEC_TOKEN to a token the orchestrator accepts"
+    return _failed(args, code, details, hint)
 
 
 def _print_result(result, args) -> None:
@@ -137,9 +186,16 @@ def cmd_up(args) -> int:
 def cmd_generate(args) -> int:
     from specdec.client import SpecdecClient
 
+    if (args.prompt is None) == (args.resume is None):
+        raise SystemExit("specdec generate: give a prompt, or --resume SESSION_ID to continue a session")
+    if args.resume_from is not None and (args.resume is None or args.resume_from < 0):
+        raise SystemExit("specdec generate: --resume-from N needs --resume SESSION_ID and N >= 0")
+    if not args.timeout > 0:
+        raise SystemExit(f"specdec generate: --timeout must be positive, got {args.timeout}")
     speculation = {"speculative": True, "target-only": False, "default": None}[args.mode]
+    resume = (args.resume, args.resume_from or 0) if args.resume else None
     with SpecdecClient(args.address, token=os.environ.get("SPECDEC_TOKEN")) as client:
-        result = _generate(client, args, args.prompt, speculation)
+        result = _generate(client, args, args.prompt, speculation, resume)
     _print_result(result, args)
     return 0
 
@@ -177,24 +233,37 @@ def main(argv: list[str] | None = None) -> int:
         from draft_service.datastore_build import main as datastore_main
 
         return datastore_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    args = build_parser(with_services=argv[:1] == ["serve"]).parse_args(argv)
+    if args.command not in ("generate", "run"):
+        return args.func(args)
+    import grpc
+
+    args.progress = _progress()
+    try:
+        return args.func(args)
+    except grpc.RpcError as e:  # the server's message, not a traceback
+        return _rpc_failed(args, e)
+    except KeyboardInterrupt:  # the client cancelled the stream on its way out
+        hint = _resume_hint(args)
+        return _failed(args, "CANCELLED", "stopped (Ctrl-C)", hint)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand but distill and datastore, which parse their own arguments."""
+def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
+    """Every subcommand but distill and datastore, which parse their own arguments; `serve`'s services only
+    with_services."""
     parser = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service")
     services = serve.add_subparsers(dest="service", required=True)
-    from draft_service.server import add_arguments as draft_args
-    from orchestrator.server import add_arguments as orch_args
-    from target_service.server import add_arguments as target_args
+    if with_services:  # their modules import torch and transformers: seconds a client command need not wait
+        from draft_service.server import add_arguments as draft_args
+        from orchestrator.server import add_arguments as orch_args
+        from target_service.server import add_arguments as target_args
 
-    target_args(services.add_parser("target", help="the target model service"))
-    draft_args(services.add_parser("draft", help="a draft service"))
-    orch_args(services.add_parser("orchestrator", help="the orchestrator (public API)"))
+        target_args(services.add_parser("target", help="the target model service"))
+        draft_args(services.add_parser("draft", help="a draft service"))
+        orch_args(services.add_parser("orchestrator", help="the orchestrator (public API)"))
     serve.set_defaults(func=cmd_serve)
 
     up = sub.add_parser("up", help="start Redis, target, draft and orchestrator on loopback until Ctrl-C")
@@ -205,8 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", help="the prompt (omit it with --resume)")
     gen.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50050"))
+    gen.add_argument("--resume", metavar="SESSION_ID",
+                     help="continue a session whose stream ended early (its own prompt and options apply)")
+    gen.add_argument("--resume-from", type=int, metavar="N",
+                     help="with --resume: stream from generated token N (default 0: the whole reply again)")
+    gen.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole generation, seconds")
     gen.add_argument("--mode", choices=["default", "speculative", "target-only"], default="default")
     _generation_arguments(gen)
     gen.set_defaults(func=cmd_generate)

@@ -51,6 +51,25 @@ def _stats_dict(stats: opb.GenerationStats) -> dict:
     return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
 
 
+class GenerationInterrupted(grpc.RpcError):
+    """A Generate stream that failed after its session started (the orchestrator went away, the deadline passed):
+    the session is kept, and `generate(resume_session_id=session_id, resume_from=resume_from)` goes on from the
+    first token this stream did not deliver. code() and details() are the failed call's."""
+
+    def __init__(self, error: grpc.RpcError, session_id: str, resume_from: int):
+        self.error, self.session_id, self.resume_from = error, session_id, resume_from
+        super().__init__(f"{self.code().name}: {self.details()} (session {session_id}, interrupted at token "
+                         f"{resume_from})")
+
+    def code(self) -> grpc.StatusCode:
+        code = getattr(self.error, "code", None)
+        return code() if callable(code) else grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        details = getattr(self.error, "details", None)
+        return (details() if callable(details) else None) or str(self.error)
+
+
 class SpecdecClient:
     def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0, token: str | None = None,
                  tls=None):
@@ -78,19 +97,38 @@ class SpecdecClient:
             req.token_ids.ids.extend(prompt)
         return self.stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int] | None = None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | list[int] | None = None, on_message=None, **kwargs) -> GenerationResult:
+        """Run one generation to its end; `on_message(msg)` sees each streamed message as it arrives. A stream that
+        fails after the session started raises GenerationInterrupted, which says where to resume it; one that
+        fails before raises the call's own grpc.RpcError. Any exception here (Ctrl-C too) cancels the call."""
         t0 = time.perf_counter()
         text, tokens, sid, finish, stats = [], [], "", "unspecified", {}
         ttft, first = None, 0
-        for msg in self.stream(prompt, **kwargs):
-            sid = msg.session_id or sid
-            text.append(msg.text)
-            if ttft is None and msg.token_ids:
-                ttft, first = time.perf_counter() - t0, len(msg.token_ids)
-            tokens.extend(msg.token_ids)
-            if msg.HasField("stats"):
-                stats = _stats_dict(msg.stats)
-                finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
+        next_token = kwargs.get("resume_from", 0) if kwargs.get("resume_session_id") else 0
+        stream = self.stream(prompt, **kwargs)
+        done = False
+        try:
+            for msg in stream:
+                sid = msg.session_id or sid
+                text.append(msg.text)
+                if ttft is None and msg.token_ids:
+                    ttft, first = time.perf_counter() - t0, len(msg.token_ids)
+                tokens.extend(msg.token_ids)
+                if msg.token_ids:
+                    next_token = msg.offset + len(msg.token_ids)
+                if msg.HasField("stats"):
+                    stats = _stats_dict(msg.stats)
+                    finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
+                if on_message is not None:
+                    on_message(msg)
+            done = True
+        except grpc.RpcError as e:
+            if sid:
+                raise GenerationInterrupted(e, sid, next_token) from e
+            raise
+        finally:
+            if not done:
+                stream.cancel()  # the orchestrator stops and keeps the session resumable
         return GenerationResult(sid, "".join(text), tokens, finish, stats, time.perf_counter() - t0, ttft, first)
 
     def get_session(self, session_id: str, timeout_s: float = 10.0) -> opb.SessionInfo:

@@ -65,6 +65,57 @@ def test_client_reports_time_to_first_tokens(stack):
     assert r.to_json()["ttft_s"] == r.ttft_s
 
 
+def test_a_stream_that_fails_midway_says_where_to_resume(stack):
+    """The client's deadline passes after the session started (the caller was slow to read): generate raises
+    GenerationInterrupted with the session and the first token it did not deliver; resuming there gives the rest,
+    exactly as an uninterrupted run."""
+    import time
+
+    from specdec.client import GenerationInterrupted
+
+    reference = stack.client.generate(PROMPT, max_new_tokens=60, ignore_eos=True, speculation=False).token_ids
+    seen = []
+
+    def slow_reader(msg):
+        seen.extend(msg.token_ids)
+        if len(seen) >= 3:
+            time.sleep(1.5)  # past the call's deadline
+
+    with pytest.raises(GenerationInterrupted) as failed:
+        stack.client.generate(PROMPT, max_new_tokens=60, ignore_eos=True, max_draft_len=3, timeout_s=1.0,
+                              on_message=slow_reader)
+    e = failed.value
+    assert isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.session_id and e.resume_from == len(seen) and 3 <= len(seen) < 60
+    assert seen == reference[: len(seen)]
+    deadline = time.monotonic() + 10
+    while stack.client.get_session(e.session_id).status == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)  # the orchestrator records the stream's end
+    rest = stack.client.generate(resume_session_id=e.session_id, resume_from=e.resume_from)
+    assert seen + rest.token_ids == reference and rest.finish_reason == "length"
+
+
+def test_an_exception_in_the_reader_cancels_the_generation(stack):
+    import time
+
+    class Stop(Exception):
+        pass
+
+    sid = []
+
+    def reader(msg):
+        sid.append(msg.session_id)
+        raise Stop
+
+    with pytest.raises(Stop):
+        stack.client.generate(PROMPT, max_new_tokens=400, ignore_eos=True, on_message=reader)
+    deadline = time.monotonic() + 10
+    while stack.client.get_session(sid[0]).status == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = stack.client.get_session(sid[0])
+    assert info.status == "cancelled" and len(info.generated_token_ids) < 400
+
+
 def test_stop_token_ids(stack):
     full = stack.client.generate(PROMPT, max_new_tokens=30, ignore_eos=True, speculation=False)
     stop_id = full.token_ids[4]

@@ -1,5 +1,7 @@
 """`specdec run` / `specdec up` start the stack with the speculation settings the benchmark measured best."""
 
+import json
+
 import pytest
 
 from specdec import cli
@@ -34,3 +36,108 @@ def test_the_stack_passes_the_settings_to_the_services(tmp_path):
     assert library_default._speculation() == ["--pipeline", "off"] and library_default._batching() == []
     with pytest.raises(ValueError, match="off, on or auto"):
         LocalStack(StackConfig(pipeline="yes"), str(tmp_path))._speculation()
+
+
+# ------------------------------------------------------------------------------------------------
+# `specdec generate` against a running orchestrator: clean errors, Ctrl-C, resuming a session
+# ------------------------------------------------------------------------------------------------
+
+PROMPT = "t1 t5 t9 t12 t5 t9"
+
+
+@pytest.fixture(scope="module")
+def orchestrator(redis_url):
+    from tests.harness import start_stack
+
+    stack = start_stack(redis_url)
+    yield stack
+    stack.stop()
+
+
+def _generate(capsys, *argv):
+    rc = cli.main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_a_refused_request_is_one_line_and_exit_status_2(orchestrator, capsys):
+    rc, out, err = _generate(capsys, PROMPT, "--address", orchestrator.orchestrator_server.address, "--max-new-tokens", "0")
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == "specdec generate: INVALID_ARGUMENT: max_new_tokens must be at least 1"
+    rc, out, err = _generate(capsys, PROMPT, "--address", orchestrator.orchestrator_server.address, "--temperature", "-1",
+                             "--json")
+    assert rc == 2 and json.loads(out) == {"error": {"code": "INVALID_ARGUMENT",
+                                                     "message": "temperature must be a finite number >= 0, got -1.0"}}
+
+
+def test_no_orchestrator_says_where_it_looked(capsys):
+    address = f"127.0.0.1:{_free_port()}"
+    rc, out, err = _generate(capsys, PROMPT, "--address", address)
+    assert rc == 1 and "Traceback" not in err
+    assert err.startswith("specdec generate: UNAVAILABLE: ")
+    assert f"is an orchestrator running at {address}?" in err
+
+
+def test_an_unknown_session_cannot_be_resumed(orchestrator, capsys):
+    rc, out, err = _generate(capsys, "--resume", "no-such-session", "--address", orchestrator.orchestrator_server.address)
+    assert rc == 1 and err.strip() == "specdec generate: NOT_FOUND: unknown session id 'no-such-session'"
+    for argv in ([PROMPT, "--resume", "x"], [], [PROMPT, "--resume-from", "3"], ["--resume", "x", "--resume-from", "-1"],
+                 [PROMPT, "--timeout", "0"]):
+        with pytest.raises(SystemExit, match="specdec generate: "):
+            cli.main(["generate", *argv, "--address", orchestrator.orchestrator_server.address])
+
+
+def test_generate_prints_the_text_and_resume_replays_it(orchestrator, capsys):
+    rc, out, err = _generate(capsys, PROMPT, "--address", orchestrator.orchestrator_server.address, "--no-chat", "--ignore-eos",
+                             "--max-new-tokens", "12", "--json")
+    first = json.loads(out)
+    assert rc == 0 and len(first["token_ids"]) == 12 and first["finish_reason"] == "length"
+    rc, out, err = _generate(capsys, "--resume", first["session_id"], "--resume-from", "5",
+                             "--address", orchestrator.orchestrator_server.address, "--json")
+    assert rc == 0 and json.loads(out)["token_ids"] == first["token_ids"][5:]
+    rc, out, err = _generate(capsys, "--resume", first["session_id"], "--address", orchestrator.orchestrator_server.address)
+    assert rc == 0 and out == first["text"] + "\n" and "-- 12 tokens, finish=length" in err
+
+
+@pytest.mark.serial  # a signal sent while tokens stream
+def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator):
+    """Ctrl-C mid-stream: exit 130 with the command that continues the session; running it yields exactly the
+    tokens the interrupted stream had not delivered (against an uninterrupted target-only reference)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    n = 500
+    address = orchestrator.orchestrator_server.address
+    reference = orchestrator.client.generate(PROMPT, max_new_tokens=n, ignore_eos=True, speculation=False).token_ids
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--address", address,
+                             "--no-chat", "--ignore-eos", "--max-new-tokens", str(n)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert os.read(proc.stdout.fileno(), 64), "no text streamed"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "specdec generate: CANCELLED: stopped (Ctrl-C)" in err
+    hint = re.search(r"continue it with: specdec (generate --address \S+ --resume (\S+) --resume-from (\d+))", err)
+    assert hint, err
+    received = int(hint.group(3))
+    assert 0 < received < n, "interrupted too late to test a resume"
+    rc = subprocess.run([sys.executable, "-m", "specdec.cli", *hint.group(1).split(), "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr
+    rest = json.loads(rc.stdout)
+    assert rest["token_ids"] == reference[received:] and rest["finish_reason"] == "length"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
