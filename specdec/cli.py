@@ -97,7 +97,7 @@ def _progress() -> dict:
 _USAGE_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 
-def _failed(args, code: str, message: str, hint: str = "") -> int:
+def _failed(args, code: str, message: str, hint: str = "", status: int | None = None) -> int:
     """Report a generation that did not finish: one line on stderr (and, with --json, one object on stdout)."""
     progress = args.progress
     if progress["printed"]:
@@ -109,8 +109,8 @@ def _failed(args, code: str, message: str, hint: str = "") -> int:
         if progress["session_id"]:
             error.update(session_id=progress["session_id"], resume_from=progress["next_token"])
         print(json.dumps({"error": error}))
-    if code == "CANCELLED":
-        return 130
+    if status is not None:
+        return status
     return 2 if code in _USAGE_CODES else 1
 
 
@@ -192,6 +192,8 @@ def cmd_generate(args) -> int:
         raise SystemExit("specdec generate: --resume-from N needs --resume SESSION_ID and N >= 0")
     if not args.timeout > 0:
         raise SystemExit(f"specdec generate: --timeout must be positive, got {args.timeout}")
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     speculation = {"speculative": True, "target-only": False, "default": None}[args.mode]
     resume = (args.resume, args.resume_from or 0) if args.resume else None
     with SpecdecClient(args.address, token=os.environ.get("SPECDEC_TOKEN")) as client:
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return _rpc_failed(args, e)
     except KeyboardInterrupt:  # the client cancelled the stream on its way out
         hint = _resume_hint(args)
-        return _failed(args, "CANCELLED", "stopped (Ctrl-C)", hint)
+        return _failed(args, "CANCELLED", "stopped (Ctrl-C)", hint, status=130)
 
 
 def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
@@ -274,7 +276,7 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
-    gen.add_argument("prompt", nargs="?", help="the prompt (omit it with --resume)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; - reads it from standard input (omit it with --resume)")
     gen.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50050"))
     gen.add_argument("--resume", metavar="SESSION_ID",
                      help="continue a session whose stream ended early (its own prompt and options apply)")

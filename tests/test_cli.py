@@ -99,6 +99,17 @@ def test_generate_prints_the_text_and_resume_replays_it(orchestrator, capsys):
     assert rc == 0 and out == first["text"] + "\n" and "-- 12 tokens, finish=length" in err
 
 
+def test_a_prompt_from_standard_input(orchestrator, capsys, monkeypatch):
+    import io
+
+    argv = ["--address", orchestrator.orchestrator_server.address, "--no-chat", "--ignore-eos", "--max-new-tokens",
+            "8", "--json"]
+    rc, out, err = _generate(capsys, PROMPT, *argv)
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+    rc2, out2, err2 = _generate(capsys, "-", *argv)
+    assert rc == rc2 == 0 and json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
+
+
 @pytest.mark.serial  # a signal sent while tokens stream
 def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator):
     """Ctrl-C mid-stream: exit 130 with the command that continues the session; running it yields exactly the
