@@ -311,10 +311,12 @@ def _failure_mode(servicer, view: dict) -> dict:
                          f"tokens) or, with none left, decodes target-only (one Decode of up to {chunk} tokens per "
                          "step) until a replica answers again. Output is unchanged; only speed drops"),
         "draftDeadline": (f"max({_cfg(cfg, 'draft_timeout_floor_ms', 50.0):g} ms, "
-                          f"{_cfg(cfg, 'draft_timeout_factor', 2.0):g} x the measured target step time); "
-                          "x (1 + context/128) when the replica must first prefill the context (new session, "
-                          f"failover); {_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms before any target "
-                          "step has been measured"),
+                          f"{_cfg(cfg, 'draft_timeout_factor', 2.0):g} x the larger of one measured target step and "
+                          "k drafted tokens at the drafts' measured time per token, each capped at a target step); "
+                          "a call that must first prefill the context (new session, failover) adds the context at "
+                          "the drafts' measured prefill time per token (capped likewise), or x (1 + context/128) "
+                          f"until that is measured; {_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms before "
+                          "any target step has been measured"),
         "targetFailure": (f"the target is required: a step waits up to {_cfg(cfg, 'target_grace_s', 15.0):g} s for an "
                           "unavailable target to come back, then ends the stream with UNAVAILABLE; committed tokens "
                           "are in the session store, so the client resumes with resume_session_id"),
@@ -336,6 +338,29 @@ def _failure_mode(servicer, view: dict) -> dict:
     return out
 
 
+def estimate_speedup(acceptance: dict, measured: dict, target_step_ms: float | None = None) -> dict:
+    """Expected speedup of sequential steps over target-only decoding, from what this orchestrator measured:
+    Leviathan et al.'s (1 - a^(g+1)) / ((1 - a)(g c + r)) with the per-token acceptance a, the tokens drafted per
+    verify step g, c = one drafted token's share of a Propose round trip and r = a Verify round trip, both over
+    one target step (its profiled one-token forward; without it the Verify round trip, so r = 1 as in the
+    paper)."""
+    rate = acceptance.get("value")
+    steps, proposed = acceptance.get("stepsObserved"), acceptance.get("draftTokensProposed")
+    d, v = measured.get("draftRoundTripMs"), measured.get("verifyRoundTripMs")
+    if rate is None or d is None or not v or not steps or not proposed:
+        return {}
+    from specdec.sampling import expected_accepted_length
+
+    step = target_step_ms if target_step_ms and target_step_ms > 0 else v
+    per_step = proposed / steps
+    g, c, r = max(1, round(per_step)), d / per_step / step, v / step
+    tokens = expected_accepted_length(min(max(rate, 0.0), 1.0), g)
+    return {"estimatedSpeedup": round(tokens / (g * c + r), 3),
+            "estimate": {"draftLength": g, "draftCostRatio": round(c, 4), "verifyCostRatio": round(r, 4),
+                         "targetStepMs": round(step, 3),
+                         "note": "sequential steps; a pipelined step drafts the next block during the verify"}}
+
+
 def _trade_off(servicer, acceptance: dict) -> dict:
     cfg = servicer.cfg
     default_k = _cfg(cfg, "default_draft_len", 4)
@@ -344,8 +369,10 @@ def _trade_off(servicer, acceptance: dict) -> dict:
                     "and one target forward over k+1 positions to commit 1..k+1 tokens; it is faster than "
                     "target-only decoding when the mean accepted length outweighs the draft's cost and the extra "
                     "network round trip, and wastes target compute on the rejected positions"),
-        "costPerStep": ("2 gRPC round trips (orchestrator->draft, orchestrator->target) + 1 Redis commit script; "
-                        "target verify cost grows with k; the draft holds its own KV cache per session"),
+        "costPerStep": ("2 gRPC round trips (orchestrator->draft, orchestrator->target; 1 with the n-gram drafter "
+                        "inside the orchestrator) + 1 Redis commit script; pipelined, the draft's call for the next "
+                        "block runs during the verify; target verify cost grows with k; the draft holds its own KV "
+                        "cache per session"),
         "defaultDraftLength": default_k,
     }
     measured = _measured_latency_ms()
@@ -354,13 +381,8 @@ def _trade_off(servicer, acceptance: dict) -> dict:
         measured["tokensPerVerifyStep"] = mal
     if measured:
         out["measured"] = measured
-    rate = acceptance.get("value")
-    d, v = measured.get("draftRoundTripMs"), measured.get("verifyRoundTripMs")
-    if rate is not None and d is not None and v:
-        from specdec.sampling import speculative_speedup
-
-        # Leviathan et al.'s model with c = draft cost / target step cost, both as measured here.
-        out["estimatedSpeedup"] = round(speculative_speedup(min(max(rate, 0.0), 1.0), default_k, d / v), 3)
+    profile = list(getattr(getattr(servicer, "target_info", None), "forward_ms", None) or [])
+    out.update(estimate_speedup(acceptance, measured, profile[0] if profile else None))
     return out
 
 

@@ -265,6 +265,25 @@ def test_build_outline_after_generation(stack):
     json.dumps(outline)  # plain JSON values only (it goes into a protobuf Struct)
 
 
+def test_the_outlines_speedup_estimate_costs_a_drafted_token_not_a_whole_draft_call():
+    """10 verify steps of 4 drafted tokens, all accepted; a Propose round trip of 8 ms (2 ms a token) against a
+    20 ms Verify: with the Verify as the target step, c = 0.1 and (1 - a^5) / ((1 - a)(4c + 1)) = 5 / 1.4.
+    Costing the whole call as one drafted token (c = 0.4, as the outline once did) would estimate 5 / 2.6. With a
+    profiled 10 ms target step, c = 0.2 and the Verify costs 2 steps: 5 / 2.8."""
+    from orchestrator.outline import estimate_speedup
+
+    acceptance = {"value": 1.0, "stepsObserved": 10, "draftTokensProposed": 40}
+    measured = {"draftRoundTripMs": 8.0, "verifyRoundTripMs": 20.0}
+    est = estimate_speedup(acceptance, measured)
+    assert est["estimate"]["draftLength"] == 4 and est["estimate"]["draftCostRatio"] == 0.1
+    assert est["estimatedSpeedup"] == round(5 / 1.4, 3)
+    half = estimate_speedup({**acceptance, "value": 0.5}, measured)
+    assert half["estimatedSpeedup"] == round((1 - 0.5 ** 5) / 0.5 / 1.4, 3)
+    profiled = estimate_speedup(acceptance, measured, target_step_ms=10.0)
+    assert profiled["estimate"]["verifyCostRatio"] == 2.0 and profiled["estimatedSpeedup"] == round(5 / 2.8, 3)
+    assert estimate_speedup({**acceptance, "stepsObserved": 0}, measured) == {}
+
+
 def test_get_outline_rpc_and_command(stack, capsys):
     _generate(stack, n=6, speculation=True)
     reply = stack.client.stub.GetOutline(opb.GetOutlineRequest(), timeout=10, metadata=stack.client.metadata)
