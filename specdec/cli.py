@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def _stack_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,6 +146,45 @@ def _print_result(result, args) -> None:
           f"{s.get('tokens_per_second', 0):.1f} tok/s", file=sys.stderr)
 
 
+class _StartupReport:
+    """Shows a starting stack's progress on stderr: one line rewritten in place on a terminal, else each service's
+    new status once."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+        self.seen: dict[str, str] = {}
+
+    def __call__(self, statuses: list[tuple[str, str]]) -> None:
+        if self.tty:
+            import shutil
+
+            line = f"[{time.monotonic() - self.t0:.0f} s] " + " | ".join(f"{n}: {s}" for n, s in statuses)
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r\033[K" + line[:width])
+        else:
+            for name, status in statuses:
+                if self.seen.get(name) != status:
+                    self.seen[name] = status
+                    self.stream.write(f"  {name}: {status}\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def _start(stack) -> None:
+    """Start a LocalStack, showing on stderr what its services are doing until they serve."""
+    report = _StartupReport()
+    try:
+        stack.start(progress=report)
+    finally:
+        report.done()
+
+
 def cmd_serve(args) -> int:
     if args.service == "target":
         from target_service.server import serve
@@ -167,7 +207,7 @@ def cmd_up(args) -> int:
     cfg.metrics_base_port = args.metrics_base_port
     stack = LocalStack(cfg, args.log_dir)
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
-    stack.start()
+    _start(stack)
     print(json.dumps({"orchestrator": stack.address, "target": stack.target.address,
                       "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
                       "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
@@ -207,9 +247,14 @@ def cmd_run(args) -> int:
     from specdec.stack import LocalStack
 
     cfg = _stack_config(args)
-    with LocalStack(cfg, args.log_dir) as stack:
+    stack = LocalStack(cfg, args.log_dir)
+    print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
+    try:
+        _start(stack)
         with SpecdecClient(stack.address) as client:
             result = _generate(client, args, args.prompt, args.mode == "speculative")
+    finally:
+        stack.stop()
     if args.json:
         out = result.to_json()
         out["mode"] = args.mode

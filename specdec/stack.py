@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -53,6 +54,31 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.tail()}")
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; log:\n{self.tail()}")
+
+    def status(self) -> str:
+        """What a person waiting for this service wants to know: ready, exited, or the last thing it logged (a
+        structured log line's message, or a progress bar's latest state)."""
+        if self._ready.is_set():
+            return f"ready at {self.address}"
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"exited with {self.proc.returncode}"
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        for line in reversed(lines):
+            text = line.rsplit("\r", 1)[-1].strip()  # a progress bar redraws itself after a carriage return
+            if not text:
+                continue
+            if text.startswith("{"):
+                try:
+                    return str(json.loads(text).get("msg", text))
+                except ValueError:
+                    pass
+            return text
+        return "starting"
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -160,8 +186,6 @@ def int8_draft_runs_here(device: str = "auto") -> bool:
 def distilled_draft_pays() -> bool:
     """Use the distilled draft only if `specdec distill` cached one whose own held-out measurement
     predicts a speedup (its report: expected speedup from acceptance and cost ratio); else n-gram."""
-    import json
-
     from specdec.models import cache_dir
 
     d = cache_dir() / "models" / "smollm2-draft"
@@ -225,8 +249,20 @@ class LocalStack:
     def _common(self) -> list[str]:
         return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
 
-    def start(self, timeout: float = 600.0) -> "LocalStack":
+    def services(self) -> list[ServiceProcess]:
+        return [p for p in (self.target, *self.drafts, self.orchestrator) if p is not None]
+
+    def start(self, timeout: float = 600.0, progress=None) -> "LocalStack":
+        """Start everything and wait until it serves. progress([(name, status), ...]), if given, is called about
+        once a second meanwhile with what each service last said (the first start converts the model: ~20 s)."""
         cfg = self.cfg
+        stop_reporting = threading.Event()
+        if progress is not None:
+            def report() -> None:
+                while not stop_reporting.wait(1.0):
+                    progress([(p.name, p.status()) for p in self.services()])
+
+            threading.Thread(target=report, daemon=True, name="stack-progress").start()
         try:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
@@ -248,6 +284,8 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+        finally:
+            stop_reporting.set()
 
     def start_orchestrator(self, target_addr: str | None = None, draft_addrs: list[str] | None = None,
                            timeout: float = 120.0) -> str:

@@ -152,3 +152,43 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_starting_service_reports_what_it_last_logged(tmp_path):
+    import pathlib
+
+    from specdec.stack import ServiceProcess
+
+    svc = ServiceProcess("target", ["target"], pathlib.Path(tmp_path))
+    assert svc.status() == "starting"  # no log yet
+    svc.log_path.write_text('{"ts": 1, "level": "info", "msg": "converting x.gguf (one-time)"}\n')
+    assert svc.status() == "converting x.gguf (one-time)"
+    with open(svc.log_path, "a") as f:
+        f.write("Loading weights:   0%|  | 0/272\rLoading weights:  63%|######  | 172/272\r")
+    assert svc.status() == "Loading weights:  63%|######  | 172/272"
+    with open(svc.log_path, "a") as f:
+        f.write("\n" + '{"msg": "serving", "address": "127.0.0.1:1"}\n\n')
+    assert svc.status() == "serving"
+
+
+def test_the_startup_report_rewrites_one_line_on_a_terminal_and_prints_changes_elsewhere():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    plain = io.StringIO()
+    report = cli._StartupReport(plain)
+    report([("target", "starting"), ("draft0", "starting")])
+    report([("target", "loading"), ("draft0", "starting")])
+    report.done()
+    assert plain.getvalue() == "  target: starting\n  draft0: starting\n  target: loading\n"
+    term = Terminal()
+    report = cli._StartupReport(term)
+    report([("target", "loading")])
+    report([("target", "ready at 127.0.0.1:1")])
+    report.done()
+    frames = term.getvalue().split("\r\033[K")
+    assert frames[0] == "" and frames[1].endswith("target: loading") and frames[-1] == ""
+    assert "\n" not in term.getvalue()
