@@ -160,9 +160,13 @@ class _StartupReport:
         if self.tty:
             import shutil
 
-            line = f"[{time.monotonic() - self.t0:.0f} s] " + " | ".join(f"{n}: {s}" for n, s in statuses)
+            head = f"[{time.monotonic() - self.t0:.0f} s] "
             width = shutil.get_terminal_size().columns - 1
-            self.stream.write("\r\033[K" + line[:width])
+            share = max(16, (width - len(head)) // max(1, len(statuses)) - 3)  # each service its part of the line
+            statuses = [(n, "ready" if s.startswith("ready at ") else s) for n, s in statuses]
+            parts = [f"{n}: {s}" if len(n) + len(s) + 2 <= share else f"{n}: {s}"[: share - 1] + "…"
+                     for n, s in statuses]
+            self.stream.write("\r\033[K" + (head + " | ".join(parts))[:width])
         else:
             for name, status in statuses:
                 if self.seen.get(name) != status:
