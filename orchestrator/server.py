@@ -20,7 +20,7 @@ from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, Genera
                                      StepTimer, stats_message)
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
 from specdec import cpu_affinity, telemetry
-from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args
+from specdec.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -345,7 +345,11 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
     from specdec.models import load_tokenizer
 
     target = TargetClient(target_addr)
-    target_info = target.info(timeout=startup_timeout_s)
+    try:
+        target_info = target.info(timeout=startup_timeout_s)
+    except grpc.RpcError as e:
+        raise StartupError(f"the target at {target_addr} did not answer within {startup_timeout_s:g} s "
+                           f"({e.code().name}): start it first, or point --target at it") from e
     tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
     if isinstance(draft_addrs, str):
         draft_addrs = [a.strip() for a in draft_addrs.split(",")]
@@ -427,6 +431,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens-limit", type=int, default=2048)
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl-s", type=int, default=3600)
+    p.add_argument("--startup-timeout-s", type=float, default=60.0,
+                   help="how long to wait at start for the target to answer (it may still be loading its model)")
     p.add_argument("--session-lease-s", type=float, default=5.0,
                    help="a session's single-writer lease in Redis: a stream renews it every third of this; a crashed "
                         "orchestrator's sessions can be resumed elsewhere after at most this long")
@@ -454,6 +460,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
     if args.pipeline_max_sessions < 0:
         raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
+    if not args.startup_timeout_s > 0:
+        raise SystemExit(f"--startup-timeout-s must be positive, got {args.startup_timeout_s}")
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
     cpus = cpu_affinity.apply_from_args(args)
@@ -478,7 +486,8 @@ def serve(args: argparse.Namespace) -> None:
         with open(args.auth_tokens_file) as f:
             tokens = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
-                              args.session_ttl_s, max_active_sessions=args.max_sessions, auth_tokens=tokens,
+                              args.session_ttl_s, startup_timeout_s=args.startup_timeout_s,
+                              max_active_sessions=args.max_sessions, auth_tokens=tokens,
                               breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
                               local_datastore=args.local_datastore, session_lease_s=args.session_lease_s)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)

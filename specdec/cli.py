@@ -180,11 +180,15 @@ class _StartupReport:
             self.stream.flush()
 
 
-def _start(stack) -> None:
-    """Start a LocalStack, showing on stderr what its services are doing until they serve."""
+def _start(stack, command: str) -> None:
+    """Start a LocalStack, showing on stderr what its services are doing until they serve; a service that
+    cannot start ends the command with its reason (and its log's last lines), not a traceback."""
     report = _StartupReport()
     try:
         stack.start(progress=report)
+    except (RuntimeError, TimeoutError) as e:  # ListenError, a service that exited or never became ready
+        report.done()
+        raise SystemExit(f"specdec {command}: {e}") from None
     finally:
         report.done()
 
@@ -196,7 +200,13 @@ def cmd_serve(args) -> int:
         from draft_service.server import serve
     else:
         from orchestrator.server import serve
-    serve(args)
+    from specdec.grpc_util import StartupError
+
+    try:
+        serve(args)
+    except StartupError as e:
+        print(f"specdec serve {args.service}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -211,7 +221,7 @@ def cmd_up(args) -> int:
     cfg.metrics_base_port = args.metrics_base_port
     stack = LocalStack(cfg, args.log_dir)
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
-    _start(stack)
+    _start(stack, "up")
     print(json.dumps({"orchestrator": stack.address, "target": stack.target.address,
                       "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
                       "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
@@ -254,7 +264,7 @@ def cmd_run(args) -> int:
     stack = LocalStack(cfg, args.log_dir)
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
     try:
-        _start(stack)
+        _start(stack, "run")
         with SpecdecClient(stack.address) as client:
             result = _generate(client, args, args.prompt, args.mode == "speculative")
     finally:

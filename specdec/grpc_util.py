@@ -127,6 +127,36 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
     return telemetry.intercept_channel(channel, address)
 
 
+class StartupError(RuntimeError):
+    """A service cannot start as configured; its message says why and what to change (no traceback needed)."""
+
+
+class ListenError(StartupError):
+    """A server could not listen where it was told to (the port is taken, the address is not this host's)."""
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why binding host:port fails right now (e.g. 'Address already in use'), or None if it would not."""
+    import socket
+
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and the metrics server bind
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def listen_error(what: str, address: str) -> ListenError:
+    host, _, port = address.rpartition(":")
+    reason = bind_problem(host, int(port)) if port.isdigit() else "not a host:port address"
+    return ListenError(f"cannot listen on {address} for {what}: {reason or 'refused'}"
+                       + ("; another process holds the port (choose another, or 0 for any free one)"
+                          if reason == "Address already in use" else ""))
+
+
 class ServiceServer:
     """A grpc.Server with health checking and reflection, serving one or more services."""
 
@@ -141,12 +171,15 @@ class ServiceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         tls = tls or _tls
-        if tls is not None:
-            self.port = self.server.add_secure_port(address, tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if tls is not None:
+                self.port = self.server.add_secure_port(address, tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc's own message names no reason
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {address}")
+            raise listen_error("gRPC", address)
         host = address.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
 

@@ -249,6 +249,23 @@ class LocalStack:
     def _common(self) -> list[str]:
         return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
 
+    def _check_ports(self) -> None:
+        """Fail before loading any model when a fixed port is taken (a second `specdec up`, say)."""
+        from specdec.grpc_util import ListenError, bind_problem
+
+        cfg = self.cfg
+        wanted = [(cfg.host, cfg.orchestrator_port, "the orchestrator", "--port")] if cfg.orchestrator_port else []
+        if cfg.metrics_base_port:
+            host = os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
+            drafts = 0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas
+            wanted += [(host, cfg.metrics_base_port + i, "metrics", "--metrics-base-port") for i in range(2 + drafts)]
+        for host, port, what, flag in wanted:
+            problem = bind_problem(host, port)
+            if problem:
+                raise ListenError(f"cannot listen on {host}:{port} for {what}: {problem}"
+                                  + (f" (another `specdec up`?); choose another with {flag}, or 0"
+                                     if problem == "Address already in use" else ""))
+
     def services(self) -> list[ServiceProcess]:
         return [p for p in (self.target, *self.drafts, self.orchestrator) if p is not None]
 
@@ -256,6 +273,7 @@ class LocalStack:
         """Start everything and wait until it serves. progress([(name, status), ...]), if given, is called about
         once a second meanwhile with what each service last said (the first start converts the model: ~20 s)."""
         cfg = self.cfg
+        self._check_ports()
         stop_reporting = threading.Event()
         if progress is not None:
             def report() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import errno
 import functools
 import json
 import logging
@@ -226,7 +227,14 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         host = host or os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
         from prometheus_client import start_http_server
 
-        httpd, thread = start_http_server(int(spec), addr=host, registry=_prom_registry)
+        try:
+            httpd, thread = start_http_server(int(spec), addr=host, registry=_prom_registry)
+        except OSError as e:
+            from specdec.grpc_util import ListenError
+
+            raise ListenError(f"cannot listen on {host}:{spec} for metrics: {e.strerror or e}"
+                              + ("; another process holds the port (choose another, or 0 for none)"
+                                 if e.errno == errno.EADDRINUSE else "")) from e
         bound = httpd.server_address[1]
         _metrics_server = (httpd, thread, bound)
         log.info("metrics endpoint", extra={"address": f"{host}:{bound}", "path": "/metrics"})

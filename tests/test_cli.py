@@ -147,11 +147,56 @@ def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator
 
 
 def _free_port() -> int:
+    from specdec.redis_server import free_port
+
+    return free_port()
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port another process (here: a socket of this one) listens on."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_taken_port_is_named_with_its_reason(busy_port):
+    from specdec.grpc_util import ListenError, ServiceServer
+
+    with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{busy_port} for gRPC: Address already in use"):
+        ServiceServer(f"127.0.0.1:{busy_port}")
+
+
+def test_up_refuses_a_taken_port_before_loading_any_model(busy_port, tmp_path):
+    from specdec.grpc_util import ListenError
+
+    stack = LocalStack(StackConfig(orchestrator_port=busy_port, metrics_base_port=0), str(tmp_path))
+    with pytest.raises(ListenError, match="another `specdec up`"):
+        stack.start()
+    assert stack.services() == []  # nothing was started
+    with pytest.raises(SystemExit, match=f"specdec up: cannot listen on 127.0.0.1:{busy_port} for the orchestrator"):
+        cli.main(["up", "--port", str(busy_port), "--metrics-base-port", "0", "--log-dir", str(tmp_path)])
+
+
+def test_a_service_that_cannot_start_says_why_in_one_line(busy_port):
+    """`serve target` with its metrics port taken, `serve orchestrator` with no target: exit 1, one line."""
+    import subprocess
+    import sys
+
+    from tests.harness import TARGET
+
+    runs = [(["target", "--model", TARGET, "--listen", "127.0.0.1:0", "--metrics-port", f"127.0.0.1:{busy_port}"],
+             f"specdec serve target: cannot listen on 127.0.0.1:{busy_port} for metrics: Address already in use"),
+            (["orchestrator", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{busy_port}",
+              "--startup-timeout-s", "1"],
+             f"specdec serve orchestrator: the target at 127.0.0.1:{busy_port} did not answer within 1 s")]
+    for argv, message in runs:
+        out = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", *argv], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def test_a_starting_service_reports_what_it_last_logged(tmp_path):
