@@ -287,7 +287,14 @@ def cmd_distill(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C while a service loads, `distill` trains, ...: what started has stopped
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["distill"]:
         return cmd_distill(argv[1:])
     if argv[:1] == ["datastore"]:

@@ -237,3 +237,28 @@ def test_the_startup_report_rewrites_one_line_on_a_terminal_and_prints_changes_e
     frames = term.getvalue().split("\r\033[K")
     assert frames[0] == "" and frames[1].endswith("target: loading") and frames[-1] == ""
     assert "\n" not in term.getvalue()
+
+
+@pytest.mark.serial  # a signal sent while services start
+def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = "tiny:vocab=64,layers=1,hidden=32,seed=23"  # names this test's services among the machine's processes
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", "0", "--metrics-base-port", "0",
+                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
+                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "target.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().endswith(("specdec: interrupted", "specdec up: interrupted"))
+    left = subprocess.run(["pgrep", "-f", f"model {model}"], capture_output=True, text=True).stdout.split()
+    assert left == [], "services still running after Ctrl-C"
