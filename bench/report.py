@@ -113,6 +113,9 @@ def markdown(res: dict) -> str:
             f"{_f(c.get('mean_accepted_length'))} | {_g(c.get('cost_ratio_c'))} | {_f(c.get('predicted_speedup'))} | "
             f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('predicted_speedup_measured_verify_cost'))} | "
             f"{_f(c.get('measured_over_predicted_measured_verify_cost'))} | {_f(c.get('output_matches_target_only'))} |")
+    warned = [c for c in res["configs"] if c.get("warning")]
+    if warned:
+        lines += [""] + [f"- **{c['label']}**: {c['warning']}" for c in warned]
     pipes = [c for c in res["configs"] if c.get("pipeline")]
     if pipes:
         lines += [""] + [f"- {c['label']}: {c['pipeline']['prefetches']:.0f} blocks prefetched, "

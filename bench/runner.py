@@ -226,6 +226,24 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
     return specs
 
 
+def _draft_drafts_trees(services) -> tuple[bool, str]:
+    """Whether the draft service builds token trees (GetInfo.drafts_trees), and if not, why a tree configuration
+    is not run: its tree requests would get chains, so it would measure a sequential chain under a tree's name."""
+    import grpc
+
+    from specdec.v1 import common_pb2, draft_pb2_grpc
+
+    address = services.addresses.get("draft")
+    if not address:
+        return False, "no draft service"
+    with grpc.insecure_channel(address) as channel:
+        info = draft_pb2_grpc.DraftServiceStub(channel).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+    if info.drafts_trees:
+        return True, ""
+    return False, (f"the draft ({info.model_name}) drafts chains only (no tree attention mask in its forward): "
+                   "tree requests get a chain, which the sequential configurations already measure")
+
+
 def session_job_count(args, n: int, n_prompts: int) -> int:
     """Generations at n sessions: a multiple of lcm(n, prompts) (every client thread gets as many, every prompt runs
     as often), at least --session-jobs and --session-gens-per-client per thread."""
@@ -332,10 +350,12 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
         cfgs.append(sd("specdec-pipe-auto-local-adaptive", "specdec-pipelined",
                        "specdec pipelined (auto), adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
                        "orch-pipe-auto-local", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    trees, no_trees = _draft_drafts_trees(services)
     for orch in (o for o in specs if o.startswith("orch-tree-n")):
         g = int(orch.removeprefix("orch-tree-n"))
         cfgs.append(sd(f"specdec-tree-n{g}", "specdec-tree",
-                       f"specdec tree, node budget {g} (vs chain g={g})", orch, True, g))
+                       f"specdec tree, node budget {g} (vs chain g={g})", orch, True, g, available=trees,
+                       reason=no_trees))
     if args.pipelined_sweep:
         for g in args.draft_lens:
             cfgs.append(sd(f"specdec-pipe-g{g}", "specdec-pipelined", f"specdec pipelined (on), g={g}", "orch-pipe-on",
@@ -640,6 +660,10 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
 
     st = _sum_stats(cfg.samples)
     out["service_stats"] = st
+    if st["draft_failures"]:  # a draft that errs costs speed, never output: say so rather than report a slow config
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(st["draft_failures_by_kind"].items()))
+        out["warning"] = (f"{st['draft_failures']:.0f} draft failures ({kinds}); {st['fallback_steps']:.0f} steps "
+                          "decoded target-only (the services' logs say why)")
     steps = st["verify_steps"] + st["decode_steps"]
     t_step = micro["target_step_ms"]
     client_ms = wall * 1e3

@@ -279,6 +279,8 @@ class LeanCachedLM(CachedLM):
     session. With batch_rows > 0 (and the native stack) concurrent sessions' extends share forwards of up to
     batch_rows rows (draft_service/draft_batcher.py), a long feed in chunks of half that."""
 
+    drafts_trees = False  # the lean forward attends causally only: no tree mask, so tree requests get a chain
+
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore, lean: LeanLlama, batch_rows: int = 0,
                  batch_wait_ms: float = 2.0):
         super().__init__(loaded, store)

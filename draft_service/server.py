@@ -43,7 +43,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_draft_len must be in 1..{self.max_draft_len}")
         if self.latency_enabled:
             time.sleep(self.inject_latency_ms / 1e3)
-        if request.tree_budget and hasattr(self.proposer, "get_tree"):
+        if request.tree_budget and self.proposer.drafts_trees:
             return self._propose_tree(sid, request, params, delta)
         s = telemetry.annotate(session_id=sid, max_draft_len=request.max_draft_len)
         t0 = time.perf_counter()
@@ -79,7 +79,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     MAX_TREE_BRANCH = 16
 
     def _propose_tree(self, sid, request, params, delta):
-        """Tree speculation (a drafter without get_tree answers tree requests with a chain instead)."""
+        """Tree speculation (a drafter that cannot build trees answers tree requests with a chain instead)."""
         from specdec.tree import TreeShape
 
         if request.tree_budget > self.MAX_TREE_NODES:
@@ -155,6 +155,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     elif limit_draft_vocab(loaded, draft_vocab):
         info.model_name = f"{loaded.name}[vocab<{draft_vocab}]"
     proposer = ModelProposer(loaded, store, lm)
+    info.drafts_trees = proposer.drafts_trees
     if strategy == "hybrid":
         from draft_service.proposers.hybrid import HybridProposer
         from draft_service.proposers.ngram import NgramProposer
@@ -162,6 +163,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         store = open_datastore(datastore, vocab_from or model, loaded.fingerprint, loaded.vocab_size)
         info.model_name = f"{ngram_model_name(store)}+{info.model_name}"
         info.kv_fingerprint = ""  # the hybrid's n-gram side drafts too: it takes no KV
+        info.drafts_trees = False
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
                               hybrid_model_max_len), info
     return proposer, info
@@ -179,7 +181,7 @@ def build_ngram_proposer(tokenizer, target: str | None, datastore: str,
     fingerprint = "" if tokenizer is None else tokenizer_fingerprint(tokenizer)
     store = open_datastore(datastore, target, fingerprint, vocab)
     info = common_pb2.ModelInfo(model_name=ngram_model_name(store), vocab_size=0 if tokenizer is None else vocab,
-                                tokenizer_fingerprint=fingerprint, strategy="ngram")
+                                tokenizer_fingerprint=fingerprint, strategy="ngram", drafts_trees=True)
     return NgramProposer(vocab_size=vocab, datastore=store), info
 
 

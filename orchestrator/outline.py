@@ -230,6 +230,9 @@ def _draft_strategy(servicer, view: dict) -> dict:
         "structure": "tree" if tree else "chain",
         "structureDetail": (f"token tree verified in one target forward with a tree attention mask: {tree}" if tree
                             else "one linear chain of k draft tokens per step, verified in one target forward"),
+        **({"chainsOnly": f"{info.model_name} drafts chains only (no tree attention mask in its forward): tree "
+                          "requests get a chain, verified as a chain"}
+           if tree and info is not None and not info.drafts_trees else {}),
         "draftLength": {"policy": policy, "adaptive": adaptive, "default": default_k, "max": max_k},
         "pipelining": pipelining,
         "status": status,

@@ -368,6 +368,9 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                             extra={"replica": replica.address, "code": e.code().name})
             else:
                 check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
+                if cfg.tree_budget and not replica.info.drafts_trees:
+                    log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
+                                "chains", extra={"replica": replica.address, "model": replica.info.model_name})
     store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
     try:
         store.ping()

@@ -123,6 +123,8 @@ class SessionCacheStore:
 class CachedLM:
     """A causal LM plus per-session caches: extend a session with new tokens and get their logits."""
 
+    drafts_trees = True  # its caches take a tree-masked forward (draft_service/proposers/tree.py)
+
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore):
         self.loaded = loaded
         self.model = loaded.model

@@ -78,10 +78,12 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
 
         model_proposer, info = make_proposer(spec.removeprefix("hybrid:"), sessions, vocab_size)
         info.strategy = "hybrid"
+        info.drafts_trees = False
         return HybridProposer(NgramProposer(vocab_size=model_proposer.vocab_size), model_proposer), info
     if spec == "ngram":
         vocab = vocab_size or model(TARGET).vocab_size
-        return NgramProposer(vocab_size=vocab), common_pb2.ModelInfo(model_name="ngram", strategy="ngram")
+        return NgramProposer(vocab_size=vocab), common_pb2.ModelInfo(model_name="ngram", strategy="ngram",
+                                                                     drafts_trees=True)
     if spec.startswith("int8:"):
         from draft_service.int8_draft import int8_draft
 
@@ -90,9 +92,12 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
         proposer, info = ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
         if proposer.kv_dims is not None:  # as draft_service.server.build_proposer: it takes the target's KV
             info.kv_fingerprint = loaded.kv_fingerprint
+        info.drafts_trees = proposer.drafts_trees
         return proposer, info
     loaded = model(spec)
-    return ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
+    proposer, info = ModelProposer(loaded, SessionCacheStore(max_sessions=sessions)), model_info(loaded, "model")
+    info.drafts_trees = proposer.drafts_trees
+    return proposer, info
 
 
 def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inject_latency_ms: float = 0.0,

@@ -199,8 +199,58 @@ def test_tree_configuration_is_benchmarked_against_the_chain(bench_run):
     tree, chain = by_name["specdec-tree-n3"], by_name["specdec-seq-g3"]
     assert tree["available"], tree.get("reason")
     assert tree["output_matches_target_only"] == 1.0
+    # Drafted trees and verified them: not a run of draft failures decoded target-only (which matches too).
+    assert "warning" not in tree and tree["service_stats"]["verify_steps"] > 0
     for key in ("tokens_per_s", "mean_accepted_length"):
         assert key in tree and key in chain
+
+
+def test_the_tree_configuration_needs_a_draft_that_drafts_trees():
+    """An int8 draft (lean forward, no tree mask) answers tree requests with chains: the bench says so instead of
+    running a chain under a tree's name; a model draft runs it."""
+    from types import SimpleNamespace
+
+    from bench.runner import _draft_drafts_trees
+    from tests.harness import INT8_SELF, start_draft
+
+    for spec, expected in ((INT8_SELF, False), (DRAFT, True)):
+        server = start_draft(spec)
+        try:
+            trees, why = _draft_drafts_trees(SimpleNamespace(addresses={"draft": server.address}))
+        finally:
+            server.stop()
+        assert trees is expected
+        assert ("drafts chains only" in why) is not expected
+
+
+def test_a_configuration_whose_draft_failed_is_flagged():
+    """A config whose draft failed still matches target-only (steps fall back): its summary and the markdown say
+    how many steps fell back and why, so a slow configuration is not read as a slow method."""
+    from bench.runner import Config, Sample, summarise_config
+
+    stats = {"verify_steps": 0, "decode_steps": 5, "fallback_steps": 5, "draft_failures": 2, "decode_ms": 50.0,
+             "wall_ms": 60.0, "rpc_overhead_ms": 1.0, "draft_failures_by_kind": {"internal": 2}}
+    cfg = Config("specdec-tree-n3", "specdec-tree", "specdec tree", None, draft_len=3,
+                 samples=[Sample("p", 0, [1, 2, 3, 4, 5], 0.1, stats)])
+    out = summarise_config(cfg, None, {"target_step_ms": 10.0}, "model", {"p": [1, 2, 3, 4, 5]})
+    assert out["warning"].startswith("2 draft failures (internal 2); 5 steps decoded target-only")
+
+    clean = summarise_config(Config("specdec-seq-g3", "specdec-sequential", "specdec seq", None, draft_len=3,
+                                    samples=[Sample("p", 0, [1, 2], 0.1, {"verify_steps": 1})]),
+                             None, {"target_step_ms": 10.0}, "model", {})
+    assert "warning" not in clean
+
+
+def test_the_report_shows_a_configurations_warning(bench_run):
+    import copy
+
+    from bench.report import markdown
+
+    res = copy.deepcopy(bench_run[0])
+    assert "draft failures" not in markdown(res)
+    spec = next(c for c in res["configs"] if c["name"] == "specdec-seq-g3")
+    spec["warning"] = "2 draft failures (internal 2); 5 steps decoded target-only (the services' logs say why)"
+    assert f"- **{spec['label']}**: 2 draft failures (internal 2)" in markdown(res)
 
 
 def test_orchestrators_for_an_ngram_drafter():

@@ -12,7 +12,7 @@ from draft_service.proposers.model import ModelProposer
 from specdec import tree as tree_mod
 from specdec.kv_cache import CachedLM, SessionCacheStore
 from specdec.sampling import SamplingParams
-from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, TARGET, model, start_stack
+from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, INT8_SELF, TARGET, model, start_stack
 
 PARENTS = [-1, -1, 0, 0, 1, 2, 2, 5, -1]  # 3 root children, depth up to 4
 TOKENS = [3, 4, 7, 8, 9, 10, 11, 12, 3]   # duplicate sibling token (3) on purpose
@@ -125,8 +125,8 @@ def tree_cfg(budget, **kw):
     return LoopConfig(tree_budget=budget, draft_timeout_floor_ms=5000, **kw)
 
 
-@pytest.fixture(scope="module", params=[DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, "ngram"],
-                ids=["early-layer", "same-model", "unrelated", "ngram"])
+@pytest.fixture(scope="module", params=[DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, "ngram", INT8_SELF],
+                ids=["early-layer", "same-model", "unrelated", "ngram", "int8-chains-only"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param, cfg=tree_cfg(4))
     yield s
@@ -235,3 +235,43 @@ def test_tree_flags_reach_the_loop_config():
     args = p.parse_args(["--tree-budget", "6", "--tree-branch", "3", "--tree-branch-below", "0.5"])
     assert (args.tree_budget, args.tree_branch, args.tree_branch_below) == (6, 3, 0.5)
     assert p.parse_args([]).tree_budget == 0  # chain by default
+
+
+def test_a_draft_that_drafts_chains_only_says_so_and_answers_tree_requests_with_a_chain():
+    """The int8 draft's lean forward has no tree mask: a tree request gets a chain (verified as one) instead of an
+    error that would make every step of a tree-mode session fall back to target-only decoding."""
+    from specdec.v1 import draft_pb2
+    from tests.harness import make_proposer, start_draft
+
+    proposer, _ = make_proposer(INT8_SELF)
+    assert proposer.drafts_trees is False and make_proposer(DRAFT_EARLY)[0].drafts_trees is True
+    server = start_draft(INT8_SELF)
+    try:
+        import grpc
+
+        from specdec.v1 import common_pb2, draft_pb2_grpc
+
+        stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(server.address))
+        info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.drafts_trees is False
+        reply = stub.Propose(draft_pb2.ProposeRequest(session_id="s", delta=common_pb2.TokenDelta(tokens=[1, 5, 9]),
+                                                      max_draft_len=4, tree_budget=6), timeout=30)
+        assert len(reply.tokens) == 4 and not reply.tree.tokens
+    finally:
+        server.stop()
+
+
+def test_the_outline_names_a_draft_that_drafts_chains_only(redis_url):
+    from orchestrator.outline import build_outline
+
+    s = start_stack(redis_url, draft=INT8_SELF, cfg=tree_cfg(4))
+    try:
+        outline = build_outline(s.servicer)["draftStrategy"]
+        assert outline["structure"] == "tree" and "drafts chains only" in outline["chainsOnly"]
+    finally:
+        s.stop()
+    s = start_stack(redis_url, draft=DRAFT_EARLY, cfg=tree_cfg(4))
+    try:
+        assert "chainsOnly" not in build_outline(s.servicer)["draftStrategy"]
+    finally:
+        s.stop()

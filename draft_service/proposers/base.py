@@ -43,3 +43,8 @@ class Proposer(abc.ABC):
 
     def num_sessions(self) -> int:
         return 0
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether tree requests get a tree (get_tree); a drafter that cannot answers them with a chain."""
+        return callable(getattr(self, "get_tree", None))

@@ -100,6 +100,10 @@ class ModelProposer(Proposer):
             probs = torch.stack(rows) if rows else None
             return Proposal(tokens, probs, len(sess.tokens))
 
+    @property
+    def drafts_trees(self) -> bool:
+        return self.lm.drafts_trees
+
     def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step):
         """Tree speculation: a token tree instead of a chain (see draft_service/proposers/tree.py)."""
         from draft_service.proposers.tree import propose_tree
