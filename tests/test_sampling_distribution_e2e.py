@@ -118,6 +118,30 @@ def test_broken_verifier_fails_the_test(stack, expected, monkeypatch):
     assert p_value < ALPHA, f"a broken verifier passed the distribution test (p={p_value:.3f})"
 
 
+def test_int8_self_draft_sampling_matches_target_distribution(redis_url):
+    """SmolLM2's default drafter: the target's own weights in int8 on the lean forward, taking the target's
+    prompt KV (a prompt long enough for the hand-over). Its q (float16 on the wire) is close to p: ~99% of drafts
+    are accepted here, so this mainly checks that the q it samples from is the q it sends (a mismatch biases every
+    accepted token); the residual path has the plain test above."""
+    from orchestrator.generation import Generation
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 0] * 3  # past the hand-over threshold
+    assert len(prompt) - 1 >= Generation.PARALLEL_PREFILL_MIN_TOKENS
+    expected = exact_target_distribution(SamplingParams(**PARAMS), prompt)
+    s = start_stack(redis_url, target=TARGET, draft="int8:" + TARGET)
+    try:
+        proposer = s.draft_servers[0].servicer.proposer
+        assert type(proposer.lm).__name__ == "LeanCachedLM", "the lean int8 forward must be what is tested"
+        samples, acceptance = draw(s, N_PATH_SAMPLES, draft_len=2, extra_tokens=1, prompt=prompt)
+        imports = s.client.generate(prompt, max_new_tokens=2, seed=0, ignore_eos=True, **PARAMS).stats["kv_imports"]
+    finally:
+        s.stop()
+    assert imports == 1, "the draft must take the target's prompt KV, as deployed"
+    assert 0.05 < acceptance < 0.995, f"the draft must be rejected sometimes (acceptance {acceptance:.3f})"
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
+
+
 def test_hybrid_drafter_sampling_matches_target_distribution(redis_url, expected):
     """Prompt-lookup steps (one-hot q) and model steps (the draft's q) mixed in one generation."""
     s = start_stack(redis_url, target=TARGET, draft="hybrid:" + DRAFT)
