@@ -512,7 +512,7 @@ def smollm2_cached_dir() -> pathlib.Path | None:
     return final
 
 
-def _draft_dir() -> pathlib.Path:
+def distilled_draft_dir() -> pathlib.Path:
     path = models_dir() / DRAFT_DIRNAME
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -618,7 +618,7 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         gguf = smollm2_gguf_path()  # same tokenizer; avoids the slow weight conversion
         return auto(str(gguf.parent), gguf_file=gguf.name)
     if spec.lower() == DRAFT_DIRNAME:
-        return auto(str(_draft_dir()))
+        return auto(str(distilled_draft_dir()))
     if spec.lower().endswith(".gguf"):
         d, name = _gguf_parts(spec)
         return _from_pretrained("tokenizer", spec, auto, d, gguf_file=name)
@@ -649,7 +649,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         model = auto_model(str(path), dtype=dt)
         source = str(path)
     elif spec.lower() == DRAFT_DIRNAME:
-        path = _draft_dir()
+        path = distilled_draft_dir()
         tok = auto_tok(str(path))
         model = auto_model(str(path), dtype=dt)
         source = str(path)

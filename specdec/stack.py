@@ -266,6 +266,18 @@ class LocalStack:
                                   + (f" (another `specdec up`?); choose another with {flag}, or 0"
                                      if problem == "Address already in use" else ""))
 
+    def _check_draft_model(self) -> None:
+        """The distilled draft exists only after `specdec distill`: say so before starting anything."""
+        from specdec import models
+        from specdec.grpc_util import StartupError
+
+        if self.draft_strategy in MODEL_STRATEGIES and self.cfg.draft_model.lower() == models.DRAFT_DIRNAME:
+            try:
+                models.distilled_draft_dir()
+            except FileNotFoundError as e:
+                raise StartupError(f"{e}; or use --draft-strategy quantized (the default for SmolLM2) or ngram") \
+                    from None
+
     def services(self) -> list[ServiceProcess]:
         return [p for p in (self.target, *self.drafts, self.orchestrator) if p is not None]
 
@@ -274,6 +286,7 @@ class LocalStack:
         once a second meanwhile with what each service last said (the first start converts the model: ~20 s)."""
         cfg = self.cfg
         self._check_ports()
+        self._check_draft_model()
         stop_reporting = threading.Event()
         if progress is not None:
             def report() -> None:
@@ -284,8 +297,6 @@ class LocalStack:
         try:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
-            if self.draft_strategy in MODEL_STRATEGIES:
-                from specdec.models import load_model  # noqa: F401  (fail early on a missing draft)
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
                                                     *self._batching(), *self._affinity("target"), *cfg.target_args],

@@ -262,3 +262,14 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     assert err.strip().endswith(("specdec: interrupted", "specdec up: interrupted"))
     left = subprocess.run(["pgrep", "-f", f"model {model}"], capture_output=True, text=True).stdout.split()
     assert left == [], "services still running after Ctrl-C"
+
+
+def test_run_without_the_distilled_draft_says_how_to_get_one(tmp_path, monkeypatch):
+    """--draft-strategy model/hybrid need `specdec distill`'s output: refused before any service starts."""
+    from specdec.grpc_util import StartupError
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "empty-cache"))
+    stack = LocalStack(StackConfig(draft_strategy="hybrid", metrics_base_port=0), str(tmp_path))
+    with pytest.raises(StartupError, match="run `specdec distill` first"):
+        stack.start()
+    assert stack.services() == [] and stack.redis is None
