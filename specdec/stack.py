@@ -271,7 +271,8 @@ class LocalStack:
         from specdec import models
         from specdec.grpc_util import StartupError
 
-        if self.draft_strategy in MODEL_STRATEGIES and self.cfg.draft_model.lower() == models.DRAFT_DIRNAME:
+        distilled = self.draft_strategy in MODEL_STRATEGIES and self.draft_strategy != QUANTIZED  # int8: the target's
+        if distilled and self.cfg.draft_model.lower() == models.DRAFT_DIRNAME:
             try:
                 models.distilled_draft_dir()
             except FileNotFoundError as e:

@@ -273,3 +273,5 @@ def test_run_without_the_distilled_draft_says_how_to_get_one(tmp_path, monkeypat
     with pytest.raises(StartupError, match="run `specdec distill` first"):
         stack.start()
     assert stack.services() == [] and stack.redis is None
+    quantized = LocalStack(StackConfig(draft_strategy="quantized", metrics_base_port=0), str(tmp_path))
+    quantized._check_draft_model()  # the int8 draft is the target's own weights: no distilled draft needed
