@@ -187,7 +187,6 @@ def _start(stack, command: str) -> None:
     try:
         stack.start(progress=report)
     except (RuntimeError, TimeoutError) as e:  # ListenError, a service that exited or never became ready
-        report.done()
         raise SystemExit(f"specdec {command}: {e}") from None
     finally:
         report.done()

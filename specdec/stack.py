@@ -289,12 +289,14 @@ class LocalStack:
         self._check_ports()
         self._check_draft_model()
         stop_reporting = threading.Event()
+        reporter = None
         if progress is not None:
             def report() -> None:
                 while not stop_reporting.wait(1.0):
                     progress([(p.name, p.status()) for p in self.services()])
 
-            threading.Thread(target=report, daemon=True, name="stack-progress").start()
+            reporter = threading.Thread(target=report, daemon=True, name="stack-progress")
+            reporter.start()
         try:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
@@ -316,6 +318,8 @@ class LocalStack:
             raise
         finally:
             stop_reporting.set()
+            if reporter is not None:
+                reporter.join(5.0)  # its last report is out before the caller writes on
 
     def start_orchestrator(self, target_addr: str | None = None, draft_addrs: list[str] | None = None,
                            timeout: float = 120.0) -> str:
