@@ -303,12 +303,14 @@ class LocalStack:
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
                                                     *self._batching(), *self._affinity("target"), *cfg.target_args],
-                                          self.log_dir).start()
+                                          self.log_dir)
+            self.target.start()  # tracked before its process exists: a Ctrl-C now still stops it
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i), *self._affinity(f"draft{i}")]
                 dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
-                self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir).start())
+                self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir))
+                self.drafts[-1].start()
             target_addr = self.target.wait_ready(timeout)
             draft_addrs = [d.wait_ready(timeout) for d in self.drafts]
             self.start_orchestrator(target_addr, draft_addrs, timeout)
@@ -332,7 +334,8 @@ class LocalStack:
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
                 "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._metrics(0),
                 *self.cfg.orchestrator_args]
-        self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir).start()
+        self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir)
+        self.orchestrator.start()
         addr = self.orchestrator.wait_ready(timeout)
         # Restarts reuse the port so clients can reconnect to the same address.
         self.cfg.orchestrator_port = int(addr.rsplit(":", 1)[1])
