@@ -149,12 +149,15 @@ def bind_problem(host: str, port: int) -> str | None:
     return None
 
 
-def listen_error(what: str, address: str) -> ListenError:
-    host, _, port = address.rpartition(":")
-    reason = bind_problem(host, int(port)) if port.isdigit() else "not a host:port address"
+def listen_error(what: str, address: str, reason: str | None = None,
+                 hint: str = "another process holds the port (choose another, or 0 for any free one)") -> ListenError:
+    """The error for a server that cannot listen at address: the reason (probed with bind_problem unless given),
+    and where the port is taken, the hint."""
+    if reason is None:
+        host, _, port = address.rpartition(":")
+        reason = bind_problem(host, int(port)) if port.isdigit() else "not a host:port address"
     return ListenError(f"cannot listen on {address} for {what}: {reason or 'refused'}"
-                       + ("; another process holds the port (choose another, or 0 for any free one)"
-                          if reason == "Address already in use" else ""))
+                       + (f"; {hint}" if reason == "Address already in use" else ""))
 
 
 class ServiceServer:

@@ -251,7 +251,7 @@ class LocalStack:
 
     def _check_ports(self) -> None:
         """Fail before loading any model when a fixed port is taken (a second `specdec up`, say)."""
-        from specdec.grpc_util import ListenError, bind_problem
+        from specdec.grpc_util import bind_problem, listen_error
 
         cfg = self.cfg
         wanted = [(cfg.host, cfg.orchestrator_port, "the orchestrator", "--port")] if cfg.orchestrator_port else []
@@ -262,9 +262,8 @@ class LocalStack:
         for host, port, what, flag in wanted:
             problem = bind_problem(host, port)
             if problem:
-                raise ListenError(f"cannot listen on {host}:{port} for {what}: {problem}"
-                                  + (f" (another `specdec up`?); choose another with {flag}, or 0"
-                                     if problem == "Address already in use" else ""))
+                raise listen_error(what, f"{host}:{port}", problem,
+                                   f"another `specdec up`? choose another with {flag}, or 0")
 
     def _check_draft_model(self) -> None:
         """The distilled draft exists only after `specdec distill`: say so before starting anything."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import errno
 import functools
 import json
 import logging
@@ -230,11 +229,10 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         try:
             httpd, thread = start_http_server(int(spec), addr=host, registry=_prom_registry)
         except OSError as e:
-            from specdec.grpc_util import ListenError
+            from specdec.grpc_util import listen_error
 
-            raise ListenError(f"cannot listen on {host}:{spec} for metrics: {e.strerror or e}"
-                              + ("; another process holds the port (choose another, or 0 for none)"
-                                 if e.errno == errno.EADDRINUSE else "")) from e
+            raise listen_error("metrics", f"{host}:{spec}", e.strerror or str(e),
+                               "another process holds the port (choose another, or 0 for none)") from e
         bound = httpd.server_address[1]
         _metrics_server = (httpd, thread, bound)
         log.info("metrics endpoint", extra={"address": f"{host}:{bound}", "path": "/metrics"})
