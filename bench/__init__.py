@@ -4,7 +4,7 @@ Runs, on one machine, with the same prompts and greedy decoding, side by side: t
 through the specdec services, Hugging Face in-process anchors (assisted generation with the same draft,
 prompt lookup, plain target), specdec speculative sequential (fixed draft lengths and adaptive),
 pipelined, and a concurrency sweep; reports ratios measured in the one run, compares the measured
-speedups with the analytical model of Leviathan et al., and writes bench/results/latest.{json,md,png}.
+speedups with the analytical model of Leviathan et al., and writes bench/results/quick|full/latest.{json,md,png}.
 See docs/benchmark.md.
 """
 

@@ -137,11 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(specdec/cpu_affinity.py); off: the OS scheduler places them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where latest.json / latest.md / latest.png go")
+    p.add_argument("--out-dir", default=None,
+                   help="where latest.json / latest.md / latest.png go (default: bench/results/quick or /full)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     q = a.quick
+    a.out_dir = a.out_dir or str(RESULTS_DIR / ("quick" if q else "full"))  # one current result set per mode
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
     a.num_prompts = a.num_prompts or (4 if q else 12)
     a.rounds = a.rounds or (1 if q else 2)
