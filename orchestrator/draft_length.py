@@ -72,7 +72,7 @@ class TargetCost:
     size alike), plus an EMA of the rest of a step's time here (the target call's round trip, the Redis
     commit, the orchestrator's Python while other sessions hold the GIL; not the Propose call, which goodput
     costs apart from its draft's measured times). That rest grows with the sessions one orchestrator serves
-    (session 13, 8 sessions: ~50 ms a step against ~5 for one), and a target-only Decode call pays it once for
+    (measured at 8 sessions: ~50 ms a step against ~5 for one), and a target-only Decode call pays it once for
     several tokens, so under load it decides against speculating.
 
     A batching target verifies the blocks of concurrent sessions in one forward, whose cost grows with the
@@ -235,7 +235,7 @@ class DraftCost:
     def observe_prefetch(self, draft_ms: float, tokens: int, sessions: int = 1) -> None:
         """A prefetched block's drafting time per token: only for the draft deadline (with every block prefetched
         no Propose is measured). The draft length's cost model keeps to Propose calls: charging each fully accepted
-        step the prefetch's k + 1 tokens at this rate beyond the verify (session 19) made it draft shorter blocks,
+        step the prefetch's k + 1 tokens at this rate beyond the verify (measured) made it draft shorter blocks,
         and 4.5% slower than this model in an interleaved A/B."""
         if tokens:
             with self._lock:

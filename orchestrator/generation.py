@@ -526,7 +526,7 @@ class Generation:
     def _draft_shared(self) -> bool:
         """auto: more sessions generate than --pipeline-max-sessions. A prefetch pays by running the draft while it
         would idle (its session's verify); with several sessions the others' blocks fill that time already, and a
-        prefetch whose block is not accepted whole only delays theirs (session 16, int8 draft, quick prompts:
+        prefetch whose block is not accepted whole only delays theirs (measured, int8 draft, quick prompts:
         prefetching +8% at 1 session, even at 2, -5% at 4, -15 to -22% at 8)."""
         limit = self.cfg.pipeline_max_sessions
         return limit > 0 and self._sessions() > limit
@@ -570,7 +570,7 @@ class Generation:
             future.cancel()
             return
         # Wait for it at the start of the next step, not now: this block's Redis commit and streaming overlap the
-        # draft's remaining work (a draft slower than the verify made steps wait 8-31 ms for it in session 17's runs).
+        # draft's remaining work (a draft slower than the verify made steps wait 8-31 ms for it in the benchmark).
         self.pending_prefetch = (future, replica, new, len(self.rec.committed), full)
 
     def _resolve_prefetch(self) -> bool:
@@ -782,7 +782,7 @@ class Generation:
                 rec.stats["degraded_ms"] += step_ms
                 metrics.record_degraded(step_ms / 1e3)
             # A step that also prefilled (a new session's prompt, its KV for the draft: tens of ms) is not what a
-            # decoding step costs: counted in the per-step overhead it made longer drafts look cheap (session 18).
+            # decoding step costs: counted in the per-step overhead it made longer drafts look cheap.
             if (self.target_cost is not None and self.step_server_ms is not None
                     and rec.stats["prefill_ms"] == prefill_ms):
                 self.target_cost.observe_step((time.perf_counter() - t0) * 1e3 - self.step_draft_ms,

@@ -5,7 +5,7 @@ both a request within a fraction of a millisecond. Left to the scheduler, the se
 behind the first one's compute on the same CPU: on this 2-vCPU VM its request reached the handler 4-15 ms late in
 about one step in ten (median 0.8 ms), and a pipelined step waits for both. Pinned to different CPUs, neither waits
 for the other: a Verify's gRPC overhead lost its tail (90th percentile 4.5 -> 1.8 ms), a pipelined step's fell from
-~3.0 to ~2.0 ms, one session's tokens/s rose 0-5% in interleaved A/Bs (docs/benchmark.md, session 21).
+~3.0 to ~2.0 ms, one session's tokens/s rose 0-5% in interleaved A/Bs (docs/benchmark.md).
 
 The cost: a pinned service's gRPC threads share its CPUs with its compute. With 8 concurrent sessions (batched
 target) that work is no longer small, and 8 sessions ran 4-18% slower pinned one CPU each. So `specdec run` (one

@@ -3,10 +3,10 @@
 `torch.nn.Linear` on CPU calls a GEMM that re-packs the weight on every call. For one token (M = 1) that is a
 GEMV, but for the small M of a verify block (g + 1 tokens) the packing costs as much as the product: a 5-token
 forward of SmolLM2 took ~1.7x a 1-token step. Packing each weight once into oneDNN's blocked layout (what
-inductor's CPU freezing does) brought a 6-token forward to ~1.5x a step (session 12's AVX2 CPU). At these M a
+inductor's CPU freezing does) brought a 6-token forward to ~1.5x a step (on an AVX2 CPU). At these M a
 layer is bound by streaming its weight from memory, and oneDNN's kernel lets the FMAs and the stream take
 turns; `csrc/skinny_gemm.cpp` (AVX2 + FMA, built with g++ at first use and cached) reads each weight row once
-for up to 6 input rows and prefetches the next rows meanwhile: on that CPU (session 13) a 1536x576 layer streamed
+for up to 6 input rows and prefetches the next rows meanwhile: on that CPU a 1536x576 layer streamed
 from memory took 219 us at one row and 281 at six (oneDNN packed: 259 / 373; plain: 282 / 534), and SmolLM2's
 forward went from 74 to 65 ms at one token and from 115 to 84 ms at six (1.55 -> 1.29 steps).
 
@@ -40,7 +40,7 @@ NATIVE_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / name
                        for name in ("skinny_gemm.cpp", "int8_llama.cpp"))
 NATIVE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 NATIVE_VERSION = 3
-# Rows up to which the native kernel is used. On session 13's CPU it beat oneDNN's packed GEMM at every row
+# Rows up to which the native kernel is used. On an AVX2 CPU it beat oneDNN's packed GEMM at every row
 # count from 1 to 32 on SmolLM2's MLP shapes (1536x576 / 576x1536 streamed from memory, us: 6 rows 280 / 284
 # against 408 / 420; 12 rows 511 / 436 against 567 / 546; 24 rows 803 / 818 against 829 / 933), by less as
 # the rows grow: past 24 oneDNN's compute-bound kernel is left the larger batches.
@@ -307,7 +307,7 @@ def int16_activations() -> bool:
 class Int8Linear(torch.nn.Module):
     """A linear layer with int8 weights (one float scale per output row): a quarter of the weight bytes to stream
     per token. For drafting with the target's own weights: on SmolLM2 the rounded model picks the target's greedy
-    token at 97% of positions (session 14). Runs on the native kernel, with its activations rounded to int16 per
+    token at 97% of positions. Runs on the native kernel, with its activations rounded to int16 per
     row where int16_activations() says so (`int16_activations`), else float32; without the kernel, on the
     weight dequantised per call (correct, slow: logged once by native_gemm)."""
 

@@ -159,7 +159,7 @@ def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: 
 
 def resolve_draft_strategy(cfg: StackConfig) -> str:
     """auto, for the default target: its own weights in int8 where the draft runs on a CPU with the native kernel
-    (measured best here, docs/benchmark.md session 14), else the distilled draft if its report predicts a speedup,
+    (measured best on a CPU, docs/benchmark.md), else the distilled draft if its report predicts a speedup,
     else n-gram prompt lookup. Another target: the draft model given."""
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy

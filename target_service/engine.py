@@ -152,7 +152,7 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
 
     Each size n > 1 is timed between two 1-token forwards and costed as its ratio to their mean: a shared
     machine's slow spells last longer than three forwards, so the ratios (the profile's shape, which is what a
-    draft length is chosen by) survive them where the fastest of a few runs per size did not (session 12, this
+    draft length is chosen by) survive them where the fastest of a few runs per size did not (measured on an AVX2
     CPU, four profiles in a row: a 6-token forward at 1.42-1.56 steps this way, 1.21-1.58 by the fastest run).
     The median ratio over `reps` rounds times the median 1-token time gives milliseconds; the result is made
     non-decreasing by isotonic regression (more tokens never cost less; one outlier is pooled with its
