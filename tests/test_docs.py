@@ -1,0 +1,133 @@
+"""The documents stay true to the code: the generated flag reference is current, the README stays short, links
+resolve, and no file outside tests/ reads like a log of past runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README_MAX_LINES = 200
+# "session 12", "Session-7", "session_3", "session13": a work-session number, not a decoding session.
+RUN_LOG_PATTERN = re.compile(r"\bsession[\s_-]*\d", re.IGNORECASE)
+LINK_PATTERN = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)")  # [text](target) and ![alt](target)
+
+
+def _gen_module():
+    spec = importlib.util.spec_from_file_location("gen_config_doc", ROOT / "scripts" / "gen_config_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _project_files() -> list[str]:
+    """Tracked files (git ls-files); outside a git checkout every file but build and cache output."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60)
+        return [p for p in out.stdout.decode().split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build"}
+        return [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                if p.is_file() and not skip.intersection(p.relative_to(ROOT).parts)]
+
+
+def _docs() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_configuration_doc_matches_the_argument_definitions():
+    gen = _gen_module()
+    assert (ROOT / "docs" / "configuration.md").read_text() == gen.render(), (
+        "docs/configuration.md is stale: run python scripts/gen_config_doc.py")
+
+
+def test_configuration_check_fails_on_a_stale_file_and_passes_once_regenerated(tmp_path, monkeypatch):
+    gen = _gen_module()
+    doc = tmp_path / "configuration.md"
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen, "DOC", doc)
+    doc.write_text(gen.render().replace("`--draft-len`", "`--draft-length`", 1))
+    assert gen.main(["--check"]) == 1
+    assert gen.main([]) == 0
+    assert gen.main(["--check"]) == 0
+
+
+def test_configuration_table_is_read_from_any_parser():
+    gen = _gen_module()
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--widget-count", type=int, default=7, help="how many | widgets")
+    p.add_argument("--mode", choices=["a", "b"], default="b")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--name")
+    p.set_defaults(name="x")
+    table = gen.render_table(p)
+    assert "| `--widget-count` | `7` | how many \\| widgets |" in table
+    assert "| `--mode` `a\\|b` | `b` |" in table
+    assert "| `--fast`, `--no-fast` | on |" in table
+    assert "| `--name` | `x` |" in table
+
+
+def test_configuration_defaults_do_not_depend_on_the_environment(monkeypatch):
+    gen = _gen_module()
+    monkeypatch.setenv("SPECDEC_TLS_CERT", "/tmp/from-the-environment.pem")
+    assert "from-the-environment" not in gen.render()
+    assert os.environ["SPECDEC_TLS_CERT"] == "/tmp/from-the-environment.pem"  # restored
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
+
+
+def test_no_run_log_outside_tests():
+    found = []
+    for rel in _project_files():
+        if rel.startswith("tests/"):
+            continue
+        if RUN_LOG_PATTERN.search(rel):
+            found.append(f"{rel} (its path)")
+        try:
+            text = (ROOT / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary (plots) or deleted in the work tree
+        for n, line in enumerate(text.splitlines(), 1):
+            if RUN_LOG_PATTERN.search(line):
+                found.append(f"{rel}:{n}: {line.strip()[:120]}")
+    assert not found, "past-run references (say what the design is and what it measures instead):\n" + "\n".join(found)
+
+
+def test_run_log_pattern():
+    for text in ["Session 23: ...", "session 12 ran", "session-7 CPU", "bench/results/session8/x", "SESSION_3"]:
+        assert RUN_LOG_PATTERN.search(text), text
+    for text in ["8 sessions 2.10x", "session_id", "sessions 4", "per session, 2 tokens"]:
+        assert not RUN_LOG_PATTERN.search(text), text
+
+
+@pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    broken = []
+    for m in LINK_PATTERN.finditer(doc.read_text()):
+        target = m.group(1)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
+            continue  # a URL or an anchor in the same file
+        path = target.split("#", 1)[0]
+        if not (doc.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_bench_writes_one_result_set_per_mode():
+    from bench.runner import RESULTS_DIR, parse_args
+
+    assert pathlib.Path(parse_args(["--quick"]).out_dir) == RESULTS_DIR / "quick"
+    assert pathlib.Path(parse_args([]).out_dir) == RESULTS_DIR / "full"
+    assert parse_args(["--out-dir", "/tmp/x"]).out_dir == "/tmp/x"
+    for mode in ("quick", "full"):
+        assert (RESULTS_DIR / mode / "latest.json").is_file()
+        assert (RESULTS_DIR / mode / "latest.md").is_file()
