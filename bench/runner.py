@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
     p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
                    help="auto: the target and the draft services on CPUs of their own, as `specdec run` starts them "
-                        "(specdec/cpu_affinity.py); off: the OS scheduler places them")
+                        "(specdec/ops/cpu_affinity.py); off: the OS scheduler places them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where latest.json / latest.md / latest.png go")
@@ -504,7 +504,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
 
     from orchestrator.clients import DraftClient, TargetClient
     from orchestrator.session_store import SessionRecord, open_store
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
 
     med = statistics.median
     out: dict = {}
@@ -943,9 +943,9 @@ def run(args: argparse.Namespace) -> dict:
 
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
-    from specdec.cpu_affinity import describe as describe_cpu_plan
+    from specdec.ops.cpu_affinity import describe as describe_cpu_plan
     from specdec.models import load_model
-    from specdec.stack import MODEL_STRATEGIES, QUANTIZED, StackConfig, resolve_draft_strategy
+    from launcher.stack import MODEL_STRATEGIES, QUANTIZED, StackConfig, resolve_draft_strategy
 
     import warnings
 
@@ -983,7 +983,7 @@ def run(args: argparse.Namespace) -> dict:
         target = load_model(args.target_model, device=args.device, dtype=args.dtype)
         draft = None
         if strategy == QUANTIZED:  # the same int8 weights, on transformers' forward (HF's assisted generation)
-            from specdec.cpu_kernels import quantize_linears
+            from specdec.models.cpu_kernels import quantize_linears
 
             draft = load_model(args.target_model, device=args.device, dtype=args.dtype, prepack="off")
             draft.name = f"{draft.name}[int8]"

@@ -27,7 +27,7 @@ from chaos.load import Progress, RequestRecord, run_batch, run_request
 from orchestrator.draft_pool import _rank
 from orchestrator.session_store import KEY_PREFIX
 from specdec.client import SpecdecClient
-from specdec.stack import LocalStack, ServiceProcess, StackConfig
+from launcher.stack import LocalStack, ServiceProcess, StackConfig
 
 TINY_TARGET = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
 TINY_DRAFT = "tiny:vocab=64,layers=1,hidden=64,seed=0,std=0.3"  # the target's first layer: partial acceptance

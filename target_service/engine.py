@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import sampling, telemetry, wire
-from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
+from specdec.core import sampling
+from specdec import observability as telemetry
+from specdec.core import wire
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 
 @dataclass

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 
-from specdec import sampling, tree
-from specdec.sampling import TreeVerifyResult
+from specdec.core import sampling
+from specdec.core import tree
+from specdec.core.sampling import TreeVerifyResult
 
 
 def verify_tree_job(engine, job) -> None:

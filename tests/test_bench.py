@@ -12,7 +12,7 @@ import pytest
 
 from bench import analysis
 from bench.runner import LOWER_IS_BETTER, TARGETS, main
-from specdec.sampling import expected_accepted_length, speculative_speedup
+from specdec.core.sampling import expected_accepted_length, speculative_speedup
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
 

@@ -48,7 +48,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import cpu_kernels, ragged_batch
+from specdec.models import cpu_kernels
+from specdec.models import ragged_batch
 
 logger = logging.getLogger("specdec.models")
 
@@ -100,7 +101,7 @@ class LoadedModel:
     max_context: int  # config.max_position_embeddings
     eos_token_ids: list[int]
     fingerprint: str  # tokenizer_fingerprint(tokenizer)
-    ragged_batch: bool = False  # batched forwards attend per session cache (specdec/ragged_batch.py)
+    ragged_batch: bool = False  # batched forwards attend per session cache (specdec/models/ragged_batch.py)
     kv_fingerprint: str = ""  # weights_fingerprint(model), taken before any prepacking or quantisation
 
 
@@ -628,8 +629,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto",
                prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS, ragged: bool = True) -> LoadedModel:
     """prepack: auto | on | off: fast CPU linear layers, native few-row GEMM and oneDNN-prepacked weights
-    (specdec/cpu_kernels.py).
-    ragged: batched forwards attend per session cache where the architecture allows (specdec/ragged_batch.py);
+    (specdec/models/cpu_kernels.py).
+    ragged: batched forwards attend per session cache where the architecture allows (specdec/models/ragged_batch.py);
     False keeps the padded batch."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty model spec {spec!r}")

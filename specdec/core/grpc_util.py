@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec import telemetry
+from specdec import observability as telemetry
 
 log = logging.getLogger("specdec.grpc")
 
@@ -123,7 +123,7 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
         channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    # Client spans + W3C traceparent propagation (specdec.telemetry).
+    # Client spans + W3C traceparent propagation (specdec.observability).
     return telemetry.intercept_channel(channel, address)
 
 
@@ -232,7 +232,7 @@ def handle_errors(method):
     """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
     import functools
 
-    from specdec.kv_cache import CacheMiss, ContextTooLong
+    from specdec.core.kv_cache import CacheMiss, ContextTooLong
 
     @functools.wraps(method)
     def wrapper(self, request, context):

@@ -37,7 +37,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 _SERVICE = "specdec"
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-log = logging.getLogger("specdec.telemetry")
+log = logging.getLogger("specdec.observability")
 
 
 class JsonFormatter(logging.Formatter):
@@ -229,7 +229,7 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         try:
             httpd, thread = start_http_server(int(spec), addr=host, registry=_prom_registry)
         except OSError as e:
-            from specdec.grpc_util import listen_error
+            from specdec.core.grpc_util import listen_error
 
             raise listen_error("metrics", f"{host}:{spec}", e.strerror or str(e),
                                "another process holds the port (choose another, or 0 for none)") from e
