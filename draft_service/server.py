@@ -129,7 +129,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     if strategy == "ngram":
         return build_ngram_proposer(load_tokenizer(vocab_from) if vocab_from else None, vocab_from, datastore)
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
-    from launcher.stack import MODEL_STRATEGIES
+    from specdec.core.strategies import MODEL_STRATEGIES
 
     if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, hybrid or quantized)")

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
 from specdec.ops.redis_server import RedisServer
 
 
@@ -140,11 +141,6 @@ class StackConfig:
     # auto: the target and each draft process on CPUs of their own where enough are allowed (cpu_affinity.py;
     # `specdec run`, the benchmark's single sessions); off: the scheduler places them (`specdec up`, tests).
     pin_cpus: str = "off"
-
-
-MODEL_STRATEGIES = ("model", "hybrid", "quantized")  # draft strategies that load a draft model
-QUANTIZED = "quantized"  # the target's own weights in int8 as the draft (draft_service/int8_draft.py)
-LOCAL_NGRAM = "local-ngram"  # the orchestrator drafts in process (`--draft local:ngram`)
 
 
 def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:

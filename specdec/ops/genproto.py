@@ -12,7 +12,7 @@ import pathlib
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # specdec/ops/genproto.py -> the repository
 PROTO_ROOT = ROOT / "protos"
 PACKAGE_DIR = pathlib.Path("specdec") / "v1"
 
