@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from offline.distill.teacher import TeacherData
-from offline.distill.train import _pad_batch
+from offline.distill.train import _pad_batch, length_sorted_batches
 
 
 @torch.no_grad()
@@ -18,16 +18,7 @@ def greedy_matches(model: Any, data: TeacherData, pad_id: int, batch_tokens: int
     """Per held-out sequence, a bool vector: model argmax == teacher argmax at each generated position."""
     model.eval()
     out: list[torch.Tensor | None] = [None] * len(data)
-    items = sorted(range(len(data)), key=lambda i: int(data.seqs[i].shape[0]))
-    batches, batch = [], []
-    for i in items:
-        if batch and int(data.seqs[i].shape[0]) * (len(batch) + 1) > batch_tokens:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
-    for b in batches:
+    for b in length_sorted_batches(data, batch_tokens):
         ids, att, flat_pos, tidx, _, _ = _pad_batch(data, b, pad_id)
         hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)

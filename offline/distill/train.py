@@ -56,6 +56,21 @@ def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int, z: Sequence
     return ids, att, torch.cat(rows) * L + torch.cat(poss), torch.cat(tidx), torch.cat(tlogp), zt
 
 
+def length_sorted_batches(data: TeacherData, batch_tokens: int) -> list[list[int]]:
+    """Every sequence once, shortest first, in batches of at most ``batch_tokens`` padded tokens (evaluation:
+    no shuffling)."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in sorted(range(len(data)), key=lambda i: int(data.seqs[i].shape[0])):
+        if batch and int(data.seqs[i].shape[0]) * (len(batch) + 1) > batch_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 def make_batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
     """Shuffle sequences, then fill batches up to ``batch_tokens`` padded tokens (in order of length)."""
     order = torch.randperm(len(data), generator=gen).tolist()
@@ -121,17 +136,7 @@ def mean_kl(model: Any, data: TeacherData, pad_id: int, batch_tokens: int = 4096
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
-    items = sorted(range(len(data)), key=lambda i: int(data.seqs[i].shape[0]))
-    batch: list[int] = []
-    batches = []
-    for i in items:
-        if batch and int(data.seqs[i].shape[0]) * (len(batch) + 1) > batch_tokens:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
-    for b in batches:
+    for b in length_sorted_batches(data, batch_tokens):
         kl = _student_loss(model, *_pad_batch(data, b, pad_id)[:5])
         total += float(kl.sum())
         n += int(kl.numel())
