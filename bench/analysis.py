@@ -2,7 +2,7 @@
 
 ``predicted_speedup(a, g, c) = (1 - a^(g+1)) / ((1 - a)(g c + 1))`` where ``a`` is the per-token
 acceptance probability, ``g`` the draft length and ``c`` the cost of one draft token relative to one
-target step. For whole ``g`` this *is* :func:`specdec.sampling.speculative_speedup`; for an adaptive
+target step. For whole ``g`` this *is* :func:`specdec.core.sampling.speculative_speedup`; for an adaptive
 draft length the mean proposed length (a real number) goes into the same closed form.
 
 Acceptance rate vs. ``a``: the services report ``accepted / proposed``. A block is cut at its first
@@ -18,7 +18,7 @@ import math
 import numbers
 import statistics
 
-from specdec.sampling import expected_accepted_length, speculative_speedup
+from specdec.core.sampling import expected_accepted_length, speculative_speedup
 
 
 def _whole(g) -> bool:
@@ -35,7 +35,7 @@ def accepted_length(a: float, g: float) -> float:
 
 
 def predicted_speedup(a: float, g: float, c: float) -> float:
-    """(1 - a^(g+1)) / ((1 - a)(g c + 1)); exactly specdec.sampling.speculative_speedup for whole g."""
+    """(1 - a^(g+1)) / ((1 - a)(g c + 1)); exactly specdec.core.sampling.speculative_speedup for whole g."""
     if _whole(g):
         return speculative_speedup(float(a), int(g), float(c))
     if not 0.0 <= a <= 1.0 or g < 0 or not math.isfinite(c) or c < 0:

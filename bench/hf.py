@@ -72,8 +72,8 @@ def hf_generate(model, ids: list[int], max_new_tokens: int, eos_ids: list[int], 
 
 
 def prompt_session(loaded, ids: list[int]):
-    # The services' own KV-cache code path (specdec.kv_cache.CachedLM), so the step times match theirs.
-    from specdec.kv_cache import CachedLM, SessionCacheStore
+    # The services' own KV-cache code path (specdec.core.kv_cache.CachedLM), so the step times match theirs.
+    from specdec.core.kv_cache import CachedLM, SessionCacheStore
 
     lm = CachedLM(loaded, SessionCacheStore())
     sess = lm.store.get("bench-microbench")

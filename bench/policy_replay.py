@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import prompts as bench_prompts
     from draft_service.server import build_ngram_proposer
-    from specdec.kv_cache import SessionCacheStore, SessionKV
+    from specdec.core.kv_cache import SessionCacheStore, SessionKV
     from specdec.models import load_model
     from target_service.engine import TargetEngine
 

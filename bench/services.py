@@ -1,7 +1,7 @@
 """The specdec services the benchmark talks to: one Redis, one target, one draft and several orchestrators.
 
 All are real processes on loopback (children of the benchmark), started with the same
-``specdec serve`` command lines as :class:`specdec.stack.LocalStack`. Orchestrators differ only in
+``specdec serve`` command lines as :class:`launcher.stack.LocalStack`. Orchestrators differ only in
 their flags and share the target, the draft and Redis, so a configuration switch costs no model load:
 
 * ``orch-sequential``: ``--draft-len 4 --adaptive-draft-len``. A request with ``max_draft_len = g`` runs a fixed
@@ -26,8 +26,8 @@ import pathlib
 import tempfile
 from dataclasses import dataclass, field
 
-from specdec.redis_server import RedisServer
-from specdec.stack import ServiceProcess, StackConfig, draft_model_args, resolve_draft_strategy
+from specdec.ops.redis_server import RedisServer
+from launcher.stack import ServiceProcess, StackConfig, draft_model_args, resolve_draft_strategy
 
 log = logging.getLogger("bench")
 
@@ -106,20 +106,20 @@ class BenchServices:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cpu_plan: dict = {}  # process name -> CPUs (the batched target is never pinned: sweeps only)
         if self.pin_cpus:
-            from specdec.cpu_affinity import local_stack_plan
+            from specdec.ops.cpu_affinity import local_stack_plan
 
             plan = local_stack_plan(self.threads, 1) or {}
             self.cpu_plan = {"draft" if name == "draft0" else name: cpus for name, cpus in plan.items()}
 
     def _affinity(self, name: str) -> list[str]:
-        from specdec.cpu_affinity import affinity_args
+        from specdec.ops.cpu_affinity import affinity_args
 
         return affinity_args(self.cpu_plan, name)
 
     def unpin(self) -> None:
         """Let the scheduler place the services again (the sessions sweeps: `specdec up` does not pin, as many
         sessions' gRPC work would share each service's one CPU with its compute)."""
-        from specdec.cpu_affinity import allowed_cpus, pin_threads
+        from specdec.ops.cpu_affinity import allowed_cpus, pin_threads
 
         for name in self.cpu_plan:
             p = self.procs.get(name)

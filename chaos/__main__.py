@@ -10,7 +10,8 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from chaos import SCENARIOS  # noqa: E402
-from chaos.scenarios import TINY_DRAFT, TINY_TARGET, ChaosOptions, run_scenarios  # noqa: E402
+from chaos.harness import TINY_DRAFT, TINY_TARGET, ChaosOptions  # noqa: E402
+from chaos.scenarios import run_scenarios  # noqa: E402
 
 SUMMARY_KEYS = ("scenario", "requests", "completed", "failed", "mismatched_tokens", "fallback_steps",
                 "speculation_resumed", "max_stall_ms", "stall_bound_ms", "replica_failovers", "resumes", "ok")

@@ -2,14 +2,14 @@
 
 Weight-only int8 with one scale per output row keeps SmolLM2-135M's greedy token at 97% of positions (measured on
 the 12 bench prompts' replies, teacher-forced), where the distilled 2-layer draft agrees at 24%. It streams a
-quarter of the target's weight bytes per token (specdec/csrc/skinny_gemm.cpp `specdec_int8_gemm`).
+quarter of the target's weight bytes per token (specdec/models/csrc/skinny_gemm.cpp `specdec_int8_gemm`).
 
 transformers' module stack costs ~20 ms a token here whatever the weights (30 layers of small ops at a few
 microseconds each), as much as the int8 products themselves, so for Llama-family models (llama, mistral, qwen2)
 the draft runs a lean forward instead: fused q|k|v and gate|up projections, the model's own rotary embedding
 computed once per forward, and a per-session KV buffer that grows in place and is cropped by moving its length (no
 concatenation per layer). Its decoder stack runs in C++ where the native library is built
-(specdec/csrc/int8_llama.cpp: SmolLM2 ~14 ms a token against ~28 ms for the same forward as torch ops, which stay
+(specdec/models/csrc/int8_llama.cpp: SmolLM2 ~14 ms a token against ~28 ms for the same forward as torch ops, which stay
 as the fallback and the tests' reference). Other architectures keep the transformers forward with their linear
 layers replaced by Int8Linear.
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from draft_service.draft_batcher import DraftStepBatcher
-from specdec import cpu_kernels
-from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, check_context
+from specdec.models import cpu_kernels
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, check_context
 from specdec.models import LoadedModel
 
 log = logging.getLogger("specdec.draft.int8")

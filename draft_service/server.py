@@ -11,8 +11,10 @@ import time
 import grpc
 
 from draft_service.proposers.base import Proposer
-from specdec import cpu_affinity, telemetry, wire
-from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
+from specdec.ops import cpu_affinity
+from specdec import observability as telemetry
+from specdec.core import wire
+from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
@@ -80,7 +82,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _propose_tree(self, sid, request, params, delta):
         """Tree speculation (a drafter that cannot build trees answers tree requests with a chain instead)."""
-        from specdec.tree import TreeShape
+        from specdec.core.tree import TreeShape
 
         if request.tree_budget > self.MAX_TREE_NODES:
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"tree_budget must be in 1..{self.MAX_TREE_NODES}")
@@ -121,13 +123,13 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
                    hybrid_model_max_len: int = 2, draft_vocab: int = 0,
                    datastore: str = "none", quantize: str = "none",
                    batch_rows: int = DEFAULT_BATCH_ROWS) -> tuple[Proposer, common_pb2.ModelInfo]:
-    from specdec.kv_cache import SessionCacheStore
+    from specdec.core.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer
 
     if strategy == "ngram":
         return build_ngram_proposer(load_tokenizer(vocab_from) if vocab_from else None, vocab_from, datastore)
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
-    from specdec.stack import MODEL_STRATEGIES
+    from specdec.core.strategies import MODEL_STRATEGIES
 
     if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, hybrid or quantized)")

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec import wire
-from specdec.grpc_util import make_channel
-from specdec.sampling import SamplingParams
+from specdec.core import wire
+from specdec.core.grpc_util import make_channel
+from specdec.core.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 
-from specdec.sampling import expected_accepted_length
+from specdec.core.sampling import expected_accepted_length
 
 
 class DraftLength:

@@ -28,8 +28,9 @@ from orchestrator.draft_pool import DraftPool
 from orchestrator.local_draft import is_local
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
 from orchestrator.text import TextTracker
-from specdec import telemetry, wire
-from specdec.sampling import SamplingParams
+from specdec import observability as telemetry
+from specdec.core import wire
+from specdec.core.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2 as opb
 
 log = logging.getLogger("specdec.orchestrator")

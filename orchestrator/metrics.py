@@ -6,7 +6,7 @@ from functools import lru_cache
 
 from opentelemetry import metrics
 
-from specdec.telemetry import CollectedCounts
+from specdec.observability import CollectedCounts
 
 # Per-position acceptance is reported when a reader collects: a step would otherwise make up to 2 x k counter
 # calls on its critical path.

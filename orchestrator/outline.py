@@ -121,7 +121,7 @@ def _tree_settings(cfg) -> dict:
 
 def _measured_latency_ms() -> dict:
     """Mean orchestrator-side round trips of draft Propose / target Verify / target Decode, if recorded."""
-    from specdec import telemetry
+    from specdec import observability as telemetry
 
     if not telemetry.providers_installed():
         return {}
@@ -292,7 +292,7 @@ def _acceptance(servicer) -> dict:
 
 
 def _failure_mode(servicer, view: dict) -> dict:
-    from specdec import telemetry
+    from specdec import observability as telemetry
 
     cfg = servicer.cfg
     pool = getattr(servicer, "pool", None)
@@ -352,7 +352,7 @@ def estimate_speedup(acceptance: dict, measured: dict, target_step_ms: float | N
     d, v = measured.get("draftRoundTripMs"), measured.get("verifyRoundTripMs")
     if rate is None or d is None or not v or not steps or not proposed:
         return {}
-    from specdec.sampling import expected_accepted_length
+    from specdec.core.sampling import expected_accepted_length
 
     step = target_step_ms if target_step_ms and target_step_ms > 0 else v
     per_step = proposed / steps

@@ -19,8 +19,9 @@ from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
-from specdec import cpu_affinity, telemetry
-from specdec.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
+from specdec.ops import cpu_affinity
+from specdec import observability as telemetry
+from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 

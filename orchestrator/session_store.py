@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from specdec import telemetry
+from specdec import observability as telemetry
 
 KEY_PREFIX = "specdec:session:"
 

@@ -15,7 +15,7 @@ import grpc
 
 from orchestrator import metrics
 from orchestrator.generation import GenerationError, _valid_distributions
-from specdec import telemetry
+from specdec import observability as telemetry
 
 
 def _valid_tree(parents, n: int, max_depth: int) -> bool:

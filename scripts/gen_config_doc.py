@@ -46,7 +46,7 @@ def _service_parsers() -> list[tuple[str, str, argparse.ArgumentParser]]:
     """(heading, intro, parser) for each section, each parser built fresh from its add_arguments."""
     from draft_service.server import add_arguments as draft_args
     from orchestrator.server import add_arguments as orchestrator_args
-    from specdec.cli import build_parser
+    from launcher.cli import build_parser
     from target_service.server import add_arguments as target_args
 
     sections = []

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=1
-.venv/bin/python -m specdec.genproto --check
+.venv/bin/python -m specdec.ops.genproto --check
 pytest=(.venv/bin/python -m pytest -q -ra --durations=15)
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"

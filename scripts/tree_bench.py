@@ -63,7 +63,7 @@ def start(target, draft, cfg):
     from orchestrator.server import build_server as build_orchestrator_server
     from orchestrator.session_store import open_store
     from specdec.client import SpecdecClient
-    from specdec.kv_cache import SessionCacheStore
+    from specdec.core.kv_cache import SessionCacheStore
     from specdec.v1 import common_pb2
     from target_service.engine import TargetEngine
     from target_service.server import build_server as build_target_server

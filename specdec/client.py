@@ -8,7 +8,7 @@ from typing import Iterator
 
 import grpc
 
-from specdec.grpc_util import make_channel
+from specdec.core.grpc_util import make_channel
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 

@@ -6,46 +6,16 @@ import queue
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from specdec import sampling, telemetry, wire
-from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
+from specdec.core import sampling
+from specdec import observability as telemetry
+from specdec.core import wire
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
-from specdec.sampling import SamplingParams
-
-
-@dataclass
-class VerifyOutcome:
-    num_accepted: int
-    next_token: int
-    cached_len: int
-    verify_ms: float
-    batch_size: int = 1
-    accepted_nodes: tuple[int, ...] = ()  # tree speculation: the accepted path's node indices
-
-
-@dataclass
-class VerifyJob:
-    session_id: str
-    prefix_len: int
-    delta: list[int]
-    draft_tokens: list[int]
-    draft_probs: torch.Tensor | None
-    params: SamplingParams
-    seed: int
-    step: int
-    tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
-    generator: torch.Generator | None = None  # set by a batched Decode: one stream for all its tokens
-    result: VerifyOutcome | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def outcome(self) -> VerifyOutcome:
-        if self.error is not None:
-            raise self.error
-        return self.result
+from specdec.core.sampling import SamplingParams
+from target_service.jobs import VerifyJob, VerifyOutcome
 
 
 class VerifyBatcher:

@@ -7,9 +7,11 @@ import logging
 
 import grpc
 
-from specdec import cpu_affinity, telemetry, wire
-from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
-from specdec.kv_cache import SessionCacheStore
+from specdec.ops import cpu_affinity
+from specdec import observability as telemetry
+from specdec.core import wire
+from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
+from specdec.core.kv_cache import SessionCacheStore
 from specdec.models import DEFAULT_TARGET, load_model
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
@@ -86,7 +88,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verify_tree(self, sid, request, prefix_len, delta, params):
         """Tree speculation: the token tree in request.tree, verified in one forward pass."""
-        from specdec import tree as tree_mod
+        from specdec.core import tree as tree_mod
 
         if len(request.draft_tokens) or len(request.draft_probs):
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, "send either draft_tokens or a tree, not both")
@@ -163,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "time (a job that misses the batch waits for that forward anyway); 0 = the window only")
     p.add_argument("--ragged-batch", choices=["auto", "off"], default="auto",
                    help="batched forwards attend to each session's own KV cache instead of a padded copy "
-                        "(auto: llama, qwen2, qwen3 and mistral without sliding window; specdec/ragged_batch.py)")
+                        "(auto: llama, qwen2, qwen3 and mistral without sliding window; specdec/models/ragged_batch.py)")
     p.add_argument("--profile-forward", choices=["on", "off"], default="on",
                    help="measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and "
                         "report it in GetInfo, for the orchestrator's adaptive draft length")

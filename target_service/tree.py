@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import time
 
-from specdec import sampling, tree
-from specdec.sampling import TreeVerifyResult
+from specdec.core import sampling
+from specdec.core import tree
+from specdec.core.sampling import TreeVerifyResult
+from target_service.jobs import VerifyOutcome
 
 
 def verify_tree_job(engine, job) -> None:
     """Fill ``job.result`` (or ``job.error``) for a VerifyJob whose draft_tokens form a tree."""
-    from target_service.engine import VerifyOutcome
-
     t0 = time.perf_counter()
     try:
         sess = engine.store.get(job.session_id)

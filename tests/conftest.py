@@ -8,8 +8,8 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from specdec import telemetry  # noqa: E402
-from specdec.redis_server import RedisServer  # noqa: E402
+from specdec import observability as telemetry  # noqa: E402
+from specdec.ops.redis_server import RedisServer  # noqa: E402
 
 # The OpenTelemetry providers are process-wide and the first caller names them: name them here, before any
 # test's services do, so a test that reads the service name sees the same one whichever tests ran first.

@@ -14,7 +14,7 @@ from orchestrator.clients import TargetClient
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import open_store
 from specdec.client import SpecdecClient
-from specdec.kv_cache import SessionCacheStore
+from specdec.core.kv_cache import SessionCacheStore
 from specdec.models import load_model
 from specdec.v1 import common_pb2
 from target_service.engine import TargetEngine

@@ -6,7 +6,7 @@ import pytest
 
 import torch
 
-from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
@@ -101,7 +101,7 @@ def test_batched_forward_keeps_only_the_rows_asked_for():
 
 
 def _decode(engine, sid, ctx, n, temperature):
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
 
     return engine.decode(sid, 0, ctx, n, SamplingParams(temperature=temperature), 7, 3)
 
@@ -121,7 +121,7 @@ def test_batched_decode_is_the_unbatched_decode():
         assert got[:2] == want[:2]
         # continuing from the returned cache position works the same way in both
         tokens, cached = want[0], want[1]
-        from specdec.sampling import SamplingParams
+        from specdec.core.sampling import SamplingParams
 
         more_plain = plain.decode(f"p{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
         more_batched = batched.decode(f"b{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
@@ -203,7 +203,7 @@ def test_a_prefill_in_the_batch_pads_no_row(ragged):
     batch runs it on its own; the packed batch carries it in the same forward without padding anyone."""
     import dataclasses
 
-    from specdec.kv_cache import MAX_BATCHED_NEW_TOKENS
+    from specdec.core.kv_cache import MAX_BATCHED_NEW_TOKENS
 
     loaded = dataclasses.replace(model(TARGET), ragged_batch=ragged)
     lm = CachedLM(loaded, SessionCacheStore())
@@ -320,7 +320,7 @@ def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
     window is 5 ms; returns the forwards' session lists. (Wide margins: scheduling jitter on a busy machine.)"""
     import time
 
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
     from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome
 
     class SlowEngine:

@@ -11,8 +11,9 @@ import math
 import pytest
 
 from bench import analysis
-from bench.runner import LOWER_IS_BETTER, TARGETS, main
-from specdec.sampling import expected_accepted_length, speculative_speedup
+from bench.runner import main
+from bench.summary import LOWER_IS_BETTER, TARGETS
+from specdec.core.sampling import expected_accepted_length, speculative_speedup
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
 
@@ -210,7 +211,7 @@ def test_the_tree_configuration_needs_a_draft_that_drafts_trees():
     running a chain under a tree's name; a model draft runs it."""
     from types import SimpleNamespace
 
-    from bench.runner import _draft_drafts_trees
+    from bench.configs import _draft_drafts_trees
     from tests.harness import INT8_SELF, start_draft
 
     for spec, expected in ((INT8_SELF, False), (DRAFT, True)):
@@ -226,7 +227,8 @@ def test_the_tree_configuration_needs_a_draft_that_drafts_trees():
 def test_a_configuration_whose_draft_failed_is_flagged():
     """A config whose draft failed still matches target-only (steps fall back): its summary and the markdown say
     how many steps fell back and why, so a slow configuration is not read as a slow method."""
-    from bench.runner import Config, Sample, summarise_config
+    from bench.configs import Config, Sample
+    from bench.summary import summarise_config
 
     stats = {"verify_steps": 0, "decode_steps": 5, "fallback_steps": 5, "draft_failures": 2, "decode_ms": 50.0,
              "wall_ms": 60.0, "rpc_overhead_ms": 1.0, "draft_failures_by_kind": {"internal": 2}}
@@ -256,7 +258,8 @@ def test_the_report_shows_a_configurations_warning(bench_run):
 def test_orchestrators_for_an_ngram_drafter():
     """With the n-gram drafter the bench also runs it inside the orchestrator (--draft local:ngram); the auto
     orchestrators get batched twins for the sessions sweep; quick mode leaves out --pipeline on."""
-    from bench.runner import orchestrator_specs, parse_args
+    from bench.configs import orchestrator_specs
+    from bench.runner import parse_args
     from bench.services import available_flags
 
     flags = available_flags()
@@ -277,7 +280,8 @@ def test_orchestrators_for_an_ngram_drafter():
 
 
 def test_every_client_thread_runs_at_least_the_asked_generations():
-    from bench.runner import parse_args, session_job_count
+    from bench.configs import session_job_count
+    from bench.runner import parse_args
 
     args = parse_args(["--quick"])
     assert [session_job_count(args, n, 4) for n in (1, 2, 4, 8)] == [4, 4, 8, 16]  # lcm(n, 4), >= 2 per thread

@@ -128,7 +128,7 @@ def test_store_commit_survives_a_lost_exec_reply(redis_server):
 
 def test_stall_bound_counts_the_longest_fault_free_step():
     """D + M x S with S the longest fault-free loop step (not its p95), scaled by the target's slowdown."""
-    from chaos.scenarios import ChaosHarness, ChaosOptions
+    from chaos.harness import ChaosHarness, ChaosOptions
 
     h = object.__new__(ChaosHarness)  # the bound needs only the options, prompts and baseline: no services
     h.opts = ChaosOptions(draft_timeout_floor_ms=100.0, draft_timeout_factor=2.0)

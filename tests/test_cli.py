@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from specdec import cli
-from specdec.stack import LocalStack, StackConfig
+from launcher import cli
+from launcher.stack import LocalStack, StackConfig
 
 
 def _stack_config(argv):
@@ -123,7 +123,7 @@ def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator
     n = 500
     address = orchestrator.orchestrator_server.address
     reference = orchestrator.client.generate(PROMPT, max_new_tokens=n, ignore_eos=True, speculation=False).token_ids
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--address", address,
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "generate", PROMPT, "--address", address,
                              "--no-chat", "--ignore-eos", "--max-new-tokens", str(n)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -139,7 +139,7 @@ def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator
     assert hint, err
     received = int(hint.group(3))
     assert 0 < received < n, "interrupted too late to test a resume"
-    rc = subprocess.run([sys.executable, "-m", "specdec.cli", *hint.group(1).split(), "--json"],
+    rc = subprocess.run([sys.executable, "-m", "launcher.cli", *hint.group(1).split(), "--json"],
                         capture_output=True, text=True, timeout=120)
     assert rc.returncode == 0, rc.stderr
     rest = json.loads(rc.stdout)
@@ -147,7 +147,7 @@ def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator
 
 
 def _free_port() -> int:
-    from specdec.redis_server import free_port
+    from specdec.ops.redis_server import free_port
 
     return free_port()
 
@@ -164,14 +164,14 @@ def busy_port():
 
 
 def test_a_taken_port_is_named_with_its_reason(busy_port):
-    from specdec.grpc_util import ListenError, ServiceServer
+    from specdec.core.grpc_util import ListenError, ServiceServer
 
     with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{busy_port} for gRPC: Address already in use"):
         ServiceServer(f"127.0.0.1:{busy_port}")
 
 
 def test_up_refuses_a_taken_port_before_loading_any_model(busy_port, tmp_path):
-    from specdec.grpc_util import ListenError
+    from specdec.core.grpc_util import ListenError
 
     stack = LocalStack(StackConfig(orchestrator_port=busy_port, metrics_base_port=0), str(tmp_path))
     with pytest.raises(ListenError, match="another `specdec up`"):
@@ -194,7 +194,7 @@ def test_a_service_that_cannot_start_says_why_in_one_line(busy_port):
               "--startup-timeout-s", "1"],
              f"specdec serve orchestrator: the target at 127.0.0.1:{busy_port} did not answer within 1 s")]
     for argv, message in runs:
-        out = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", *argv], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "serve", *argv], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
@@ -202,7 +202,7 @@ def test_a_service_that_cannot_start_says_why_in_one_line(busy_port):
 def test_a_starting_service_reports_what_it_last_logged(tmp_path):
     import pathlib
 
-    from specdec.stack import ServiceProcess
+    from launcher.stack import ServiceProcess
 
     svc = ServiceProcess("target", ["target"], pathlib.Path(tmp_path))
     assert svc.status() == "starting"  # no log yet
@@ -247,7 +247,7 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     import time
 
     model = "tiny:vocab=64,layers=1,hidden=32,seed=23"  # names this test's services among the machine's processes
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", "0", "--metrics-base-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
                              "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
                              "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -266,7 +266,7 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
 
 def test_run_without_the_distilled_draft_says_how_to_get_one(tmp_path, monkeypatch):
     """--draft-strategy model/hybrid need `specdec distill`'s output: refused before any service starts."""
-    from specdec.grpc_util import StartupError
+    from specdec.core.grpc_util import StartupError
 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "empty-cache"))
     stack = LocalStack(StackConfig(draft_strategy="hybrid", metrics_base_port=0), str(tmp_path))

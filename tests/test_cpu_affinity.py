@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from specdec import cli, cpu_affinity
-from specdec.cpu_affinity import format_cpu_list, local_stack_plan, parse_cpu_list
-from specdec.stack import LocalStack, ServiceProcess, StackConfig
+from launcher import cli
+from specdec.ops import cpu_affinity
+from specdec.ops.cpu_affinity import format_cpu_list, local_stack_plan, parse_cpu_list
+from launcher.stack import LocalStack, ServiceProcess, StackConfig
 from tests.harness import TARGET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_pinning_covers_threads_started_before_and_after():
     cpu = min(os.sched_getaffinity(0))
     code = f"""
 import threading, time, pathlib
-from specdec import cpu_affinity
+from specdec.ops import cpu_affinity
 stop = threading.Event()
 early = threading.Thread(target=stop.wait); early.start()
 assert cpu_affinity.pin_process("{cpu}") == {{{cpu}}}

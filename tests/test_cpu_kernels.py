@@ -1,4 +1,4 @@
-"""Fast CPU linears (specdec/cpu_kernels.py): the native few-row GEMM and oneDNN-prepacked weights give the
+"""Fast CPU linears (specdec/models/cpu_kernels.py): the native few-row GEMM and oneDNN-prepacked weights give the
 same model outputs as nn.Linear."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdec import cpu_kernels
+from specdec.models import cpu_kernels
 from specdec.models import load_model
 
 SPEC = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
@@ -195,7 +195,7 @@ def test_build_is_cached_and_compiler_errors_are_clear(tmp_path):
 
 
 def test_native_kernel_can_be_switched_off():
-    code = "from specdec import cpu_kernels; print(cpu_kernels.native_gemm() is None)"
+    code = "from specdec.models import cpu_kernels; print(cpu_kernels.native_gemm() is None)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "SPECDEC_NATIVE_GEMM": "off"})
     assert out.stdout.strip() == "True", out.stderr

@@ -93,7 +93,7 @@ def test_datastore_command_quick(tmp_path, capsys):
     """`specdec datastore --quick` on the tiny target: writes a loadable table and the held-out report."""
     import json
 
-    from draft_service.datastore_build import main
+    from offline.datastore_build import main
 
     out = tmp_path / "tiny-datastore.npz"
     assert main(["--target-model", TARGET, "--quick", "--no-teacher-cache", "--no-progress", "--out", str(out),
@@ -108,8 +108,8 @@ def test_datastore_command_quick(tmp_path, capsys):
 
 def test_benchmark_prompts_stay_out_of_the_table():
     from bench.prompts import PROMPTS
-    from draft_service.datastore_build import build_from_teacher_data, overlapping_benchmark
-    from draft_service.distill import TeacherData
+    from offline.datastore_build import build_from_teacher_data, overlapping_benchmark
+    from offline.distill import TeacherData
     import torch
 
     assert overlapping_benchmark([PROMPTS[0].text + " Thanks.", "An unrelated question about gardens."]) == [

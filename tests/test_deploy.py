@@ -128,7 +128,7 @@ def compose(request) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# The real CLI parsers, built the way specdec/cli.py builds them
+# The real CLI parsers, built the way launcher/cli.py builds them
 # --------------------------------------------------------------------------------------------------
 
 
@@ -155,7 +155,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def parse_specdec(argv: list[str]) -> argparse.Namespace:
     assert argv and argv[0] == "specdec", f"not a specdec command: {argv}"
     if argv[1:2] == ["distill"]:
-        from draft_service.distill import _parser
+        from offline.distill import _parser
 
         p = _parser()
         p.error = lambda message: (_ for _ in ()).throw(ValueError(f"specdec distill: {message}"))
@@ -555,7 +555,7 @@ def _dockerignore_includes(patterns: list[str], path: str) -> bool:
 def test_dockerignore_sends_the_sources_and_nothing_else(name):
     ignore = DEPLOY / f"{name}.dockerignore"
     patterns = [ln.strip() for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    for path in ("pyproject.toml", "deploy/healthcheck.py", "specdec/cli.py", "specdec/v1/common_pb2.py",
+    for path in ("pyproject.toml", "deploy/healthcheck.py", "launcher/cli.py", "specdec/v1/common_pb2.py",
                  "target_service/server.py", "draft_service/server.py", "orchestrator/server.py",
                  "protos/specdec/v1/common.proto"):
         assert (ROOT / path).exists() and _dockerignore_includes(patterns, path), path
@@ -570,7 +570,7 @@ def test_dockerignore_sends_the_sources_and_nothing_else(name):
 
 
 def test_healthcheck_script_against_a_real_server():
-    from specdec.grpc_util import ServiceServer
+    from specdec.core.grpc_util import ServiceServer
 
     server = ServiceServer("127.0.0.1:0").start()
     script = str(DEPLOY / "healthcheck.py")

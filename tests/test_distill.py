@@ -1,4 +1,4 @@
-"""Fast tests of the draft distillation pipeline (draft_service/distill.py) on a tiny random teacher."""
+"""Fast tests of the draft distillation pipeline (offline/distill/) on a tiny random teacher."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from draft_service import distill
+from offline import distill
 from specdec.models import build_tiny
 
 
@@ -167,7 +167,7 @@ def test_latency_of_a_prepacked_teacher_in_bfloat16():
     """distill times the teacher in bf16 on a deep copy: that must work for oneDNN-prepacked models too."""
     import torch
 
-    from draft_service.distill import decode_latency_ms
+    from offline.distill import decode_latency_ms
     from specdec.models import load_model
 
     teacher = load_model("tiny:vocab=64,layers=1,hidden=64,seed=0", prepack="on", prepack_min_elements=0).model

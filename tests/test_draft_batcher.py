@@ -11,9 +11,9 @@ import torch
 from draft_service.draft_batcher import DraftStepBatcher
 from draft_service.int8_draft import LeanCachedLM, int8_draft
 from draft_service.proposers.model import ModelProposer
-from specdec.kv_cache import SessionCacheStore, SessionKV
+from specdec.core.kv_cache import SessionCacheStore, SessionKV
 from specdec.models import load_model
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 GQA = "tiny:vocab=96,layers=2,hidden=64,heads=4,kv_heads=2,seed=3,std=0.3"
 GREEDY = SamplingParams(0.0, 0, 1.0)

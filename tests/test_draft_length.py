@@ -116,7 +116,7 @@ def test_goodput_needs_a_profile_else_heuristic():
 
 
 def test_target_profile_is_measured_and_non_decreasing():
-    from specdec.kv_cache import SessionCacheStore
+    from specdec.core.kv_cache import SessionCacheStore
     from target_service.engine import TargetEngine
     from tests.harness import TARGET, model
 

@@ -11,7 +11,7 @@ import pytest
 
 from draft_service.proposers.base import Proposal, Proposer
 from orchestrator.generation import LoopConfig
-from specdec.redis_server import RedisServer
+from specdec.ops.redis_server import RedisServer
 from target_service.server import build_server as build_target_server
 from tests.harness import DRAFT_EARLY, DRAFT_SAME, TARGET, model, start_draft, start_stack
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec.grpc_util import check_health
+from specdec.core.grpc_util import check_health
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2, target_pb2
 from tests.harness import DRAFT_EARLY, start_stack
 

@@ -164,7 +164,7 @@ def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
     from orchestrator.generation import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
-    from specdec import telemetry
+    from specdec import observability as telemetry
 
     telemetry.ensure_providers("specdec-test")  # the process-wide providers, named as tests/test_observability.py does
     s = start_stack(redis_url, draft=DRAFT_OTHER, cfg=cfg, forward_ms=[10.0 * n for n in range(1, 18)])
@@ -191,7 +191,7 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     from orchestrator.generation import LoopConfig
 
     from orchestrator.outline import build_outline
-    from specdec import telemetry
+    from specdec import observability as telemetry
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms=[60.0 + 10 * n for n in range(17)])

@@ -6,8 +6,8 @@ import torch
 from draft_service.proposers.hybrid import HybridProposer
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
-from specdec.kv_cache import SessionCacheStore
-from specdec.sampling import SamplingParams
+from specdec.core.kv_cache import SessionCacheStore
+from specdec.core.sampling import SamplingParams
 from tests.harness import DRAFT_EARLY, HYBRID, model, start_stack
 
 GREEDY = SamplingParams()

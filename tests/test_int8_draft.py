@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from draft_service.int8_draft import LeanCachedLM, LeanLlama, int8_draft
-from specdec import cpu_kernels
-from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, cache_nbytes
+from specdec.models import cpu_kernels
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, cache_nbytes
 from specdec.models import load_model
 
 GQA = "tiny:vocab=96,layers=2,hidden=64,heads=4,kv_heads=2,seed=3,std=0.3"
@@ -167,7 +167,7 @@ def test_lean_llama_refuses_what_it_does_not_implement():
 
 def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_session_alone():
     from draft_service.proposers.model import ModelProposer
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
 
     loaded = load_model(GQA, device="cpu", dtype="float32", prepack="off")
     store = SessionCacheStore()
@@ -189,7 +189,7 @@ def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_sessio
 
 
 def test_auto_draft_strategy_takes_the_int8_copy_of_smollm2_where_it_runs(monkeypatch):
-    from specdec.stack import StackConfig, draft_model_args, resolve_draft_strategy
+    from launcher.stack import StackConfig, draft_model_args, resolve_draft_strategy
 
     assert resolve_draft_strategy(StackConfig(target_model="smollm2")) == "quantized"
     assert draft_model_args("quantized", "smollm2-draft", "smollm2") == ["--model", "smollm2", "--vocab-from",

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from specdec.kv_cache import CacheMiss, CachedLM, SessionCacheStore
+from specdec.core.kv_cache import CacheMiss, CachedLM, SessionCacheStore
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
 
 

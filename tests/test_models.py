@@ -105,7 +105,7 @@ def test_tiny_metadata():
     assert not lm.model.training
     assert all(not p.requires_grad for p in lm.model.parameters())
     assert lm.model.generation_config.pad_token_id == 0
-    # sdpa for ordinary calls, per-session attention in batched forwards (specdec/ragged_batch.py)
+    # sdpa for ordinary calls, per-session attention in batched forwards (specdec/models/ragged_batch.py)
     assert lm.model.config._attn_implementation == "specdec" and lm.ragged_batch
     assert M.load_model("tiny", ragged=False).model.config._attn_implementation == "sdpa"
     assert _logits(lm, [1, 2, 3]).shape == (3, 64)

@@ -298,7 +298,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
     netem, netem_error = net.netem_available()
     method = "netem" if netem else "relay"
     py = sys.executable
-    from specdec.redis_server import redis_server_binary
+    from specdec.ops.redis_server import redis_server_binary
 
     procs: list[Proc] = []
     agent = None
@@ -315,7 +315,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
         else:
             listen = f"{net.ip('draft')}:{PORTS['draft']}"
         started.append(Proc("draft", net.ns["draft"],
-                            [py, "-m", "specdec.cli", "serve", "draft", "--strategy", "model", "--model", DRAFT,
+                            [py, "-m", "launcher.cli", "serve", "draft", "--strategy", "model", "--model", DRAFT,
                              "--listen", listen, "--device", "cpu", "--dtype", "float32", "--threads", "1"],
                             logs, "SPECDEC_READY"))
         procs.extend(started)
@@ -328,7 +328,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
                      logs, None)  # ready when the agent's PING answers
         procs.append(redis)
         target = Proc("target", net.ns["target"],
-                      [py, "-m", "specdec.cli", "serve", "target", "--model", TARGET,
+                      [py, "-m", "launcher.cli", "serve", "target", "--model", TARGET,
                        "--listen", f"{net.ip('target')}:{PORTS['target']}", "--device", "cpu", "--dtype", "float32",
                        "--threads", "1"], logs, "SPECDEC_READY")
         procs.append(target)
@@ -340,7 +340,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
         for p in draft_host:
             p.wait_ready(120)
         orch = Proc("orchestrator", net.ns["orch"],
-                    [py, "-m", "specdec.cli", "serve", "orchestrator",
+                    [py, "-m", "launcher.cli", "serve", "orchestrator",
                      "--listen", f"{net.ip('orch')}:{PORTS['orch']}",
                      "--target", f"{net.ip('target')}:{PORTS['target']}",
                      "--draft", f"{net.ip('draft')}:{PORTS['draft']}",

@@ -5,8 +5,8 @@ import pytest
 
 from draft_service.proposers.datastore import NgramDatastore
 from draft_service.proposers.ngram import NgramProposer
-from specdec import tree
-from specdec.tree import TreeShape
+from specdec.core import tree
+from specdec.core.tree import TreeShape
 
 
 def paths(tokens, parents):
@@ -62,7 +62,7 @@ def test_datastore_fills_in_and_breaks_ties():
 
 
 def test_get_tree_syncs_the_session_like_get_candidates():
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
 
     p = NgramProposer(vocab_size=64)
     t = p.get_tree("s", 0, [1, 2, 3, 1, 2, 4, 1, 2], TreeShape(budget=4, max_depth=2), SamplingParams(), 0, 0)
@@ -73,7 +73,7 @@ def test_get_tree_syncs_the_session_like_get_candidates():
 
 
 def test_each_drafted_token_carries_the_votes_for_its_path():
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
 
     p = NgramProposer(vocab_size=64)
     context = [7, 8, 1, 7, 8, 2, 7, 9, 3, 7]

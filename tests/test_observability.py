@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from orchestrator.outline import build_outline
-from specdec import stats_cli, telemetry
+from specdec.ops import stats_cli
+from specdec import observability as telemetry
 from specdec.v1 import orchestrator_pb2 as opb
 from tests import harness
 
@@ -310,7 +311,7 @@ def test_spans_are_built_only_where_they_are_exported():
 from opentelemetry import propagate
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from specdec import telemetry
+from specdec import observability as telemetry
 telemetry.ensure_providers("t")
 with telemetry.span("unexported") as s:
     carrier = {}

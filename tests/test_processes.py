@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from specdec.client import SpecdecClient
-from specdec.stack import LocalStack, StackConfig
+from launcher.stack import LocalStack, StackConfig
 from tests.harness import DRAFT_EARLY, TARGET
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
@@ -60,7 +60,7 @@ def test_specdec_run_json(tmp_path):
     from tests.harness import model
 
     prompt, n = "t1 t5 t9 t12 t5 t9", 24
-    cmd = [sys.executable, "-m", "specdec.cli", "run", "--target-model", TARGET, "--draft-strategy", "local-ngram",
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--target-model", TARGET, "--draft-strategy", "local-ngram",
            "--prompt", prompt, "--no-chat", "--max-new-tokens", str(n),
            "--ignore-eos", "--mode", "speculative", "--json", "--log-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -78,7 +78,7 @@ def test_specdec_run_json(tmp_path):
     assert spec["text"] == loaded.tokenizer.decode(ref, skip_special_tokens=True) and spec["text"].startswith("t")
     assert spec["verify_steps"] > 0 and spec["draft_strategy"] == "local-ngram"
     assert spec["tokens_per_second"] > 0
-    from specdec.cpu_affinity import format_cpu_list, local_stack_plan
+    from specdec.ops.cpu_affinity import format_cpu_list, local_stack_plan
 
     plan = local_stack_plan(1, 0) or {}  # `run` pins the target (no draft process here) where 2+ CPUs are allowed
     assert spec["cpu_affinity"] == {k: format_cpu_list(v) for k, v in plan.items()}

@@ -1,4 +1,4 @@
-"""Ragged batches (specdec/ragged_batch.py): sessions at different lengths, their new tokens packed into one
+"""Ragged batches (specdec/models/ragged_batch.py): sessions at different lengths, their new tokens packed into one
 sequence and each attending to its own cache, give the logits of a plain full-sequence forward, for every
 architecture the module claims to support."""
 
@@ -7,8 +7,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from specdec import ragged_batch
-from specdec.kv_cache import CachedLM, SessionCacheStore, extend_batch
+from specdec.models import ragged_batch
+from specdec.core.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from tests.harness import TARGET, model
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""Tests for specdec.sampling: unit tests, plus a statistical end-to-end check that a speculative
+"""Tests for specdec.core.sampling: unit tests, plus a statistical end-to-end check that a speculative
 decoding loop built on verify() reproduces the target's distribution (and that the check can fail)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.sampling import (
+from specdec.core.sampling import (
     SamplingParams,
     VerifyResult,
     expected_accepted_length,
@@ -81,7 +81,7 @@ def test_is_greedy():
 
 
 def test_greedy_tokens_is_torch_argmax_ties_included():
-    from specdec.sampling import greedy_tokens
+    from specdec.core.sampling import greedy_tokens
 
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from specdec import sampling
-from specdec.sampling import SamplingParams
+from specdec.core import sampling
+from specdec.core.sampling import SamplingParams
 from tests.harness import model, start_stack
 from tests.stats import chi_square_test, draws
 

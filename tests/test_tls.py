@@ -6,9 +6,9 @@ import subprocess
 import grpc
 import pytest
 
-from specdec import grpc_util
+from specdec.core import grpc_util
 from specdec.client import SpecdecClient
-from specdec.grpc_util import TlsConfig
+from specdec.core.grpc_util import TlsConfig
 from tests.harness import DRAFT_EARLY, start_stack
 
 

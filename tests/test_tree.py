@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from draft_service.proposers.model import ModelProposer
-from specdec import tree as tree_mod
-from specdec.kv_cache import CachedLM, SessionCacheStore
-from specdec.sampling import SamplingParams
+from specdec.core import tree as tree_mod
+from specdec.core.kv_cache import CachedLM, SessionCacheStore
+from specdec.core.sampling import SamplingParams
 from tests.harness import DRAFT_EARLY, DRAFT_OTHER, DRAFT_SAME, INT8_SELF, TARGET, model, start_stack
 
 PARENTS = [-1, -1, 0, 0, 1, 2, 2, 5, -1]  # 3 root children, depth up to 4
@@ -100,8 +100,8 @@ def test_draft_tree_is_consistent_and_cache_returns_to_context(params):
         if params.is_greedy:
             assert sibs == torch.topk(logits, len(sibs)).indices.tolist()
         else:
-            from specdec import wire
-            from specdec.sampling import warp_probs
+            from specdec.core import wire
+            from specdec.core.sampling import warp_probs
 
             q = wire.fp16_to_distribution(wire.to_fp16_distribution(warp_probs(logits, params))[0])
             first = wire.fp16_to_distribution(t.probs_fp16[kids[node + 1][0]])

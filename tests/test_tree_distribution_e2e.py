@@ -8,7 +8,7 @@ that does not update the residual between siblings must fail it.
 
 import pytest
 
-from specdec import sampling
+from specdec.core import sampling
 from tests.harness import start_stack
 from tests.stats import chi_square_test, draws
 from tests.test_sampling_distribution_e2e import ALPHA, DRAFT, N_PATH_SAMPLES, TARGET, draw
@@ -60,7 +60,7 @@ NGRAM_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
 
 def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch):
     from orchestrator.generation import LoopConfig
-    from specdec.sampling import SamplingParams
+    from specdec.core.sampling import SamplingParams
     from tests.test_sampling_distribution_e2e import PARAMS, exact_target_distribution
 
     real = sampling.verify_tree

@@ -1,4 +1,4 @@
-"""Tree speculation maths (specdec.sampling.verify_tree_*, sample_siblings, specdec.tree.build_tree): unit tests,
+"""Tree speculation maths (specdec.core.sampling.verify_tree_*, sample_siblings, specdec.core.tree.build_tree): unit tests,
 and an exact-distribution chi-square test of a tree speculative loop (with broken variants that must fail).
 
 The loop uses the toy table models of tests/test_sampling.py (vocabulary 6; the first 3 tokens' exact joint
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import tree as tree_mod
-from specdec import wire
-from specdec.sampling import (SamplingParams, TreeVerifyResult, make_generator, sample, sample_siblings,
+from specdec.core import tree as tree_mod
+from specdec.core import wire
+from specdec.core.sampling import (SamplingParams, TreeVerifyResult, make_generator, sample, sample_siblings,
                               verify_rejection, verify_tree, verify_tree_greedy, verify_tree_rejection, warp_probs)
 from tests.stats import chi_square_test, total_variation
 from tests.test_sampling import ALPHA, DRAFT, N_TOKENS, TARGET, exact_joint
@@ -67,7 +67,7 @@ def test_verify_tree_greedy_walks_the_matching_branch():
 
 
 def test_verify_tree_greedy_chain_equals_chain_verifier():
-    from specdec.sampling import verify_greedy
+    from specdec.core.sampling import verify_greedy
 
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from draft_service.proposers.base import Proposal, Proposer
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 
 class HybridProposer(Proposer):

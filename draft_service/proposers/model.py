@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from draft_service.proposers.base import Proposal, Proposer
-from specdec import sampling, wire
-from specdec.kv_cache import CachedLM, SessionCacheStore
+from specdec.core import sampling
+from specdec.core import wire
+from specdec.core.kv_cache import CachedLM, SessionCacheStore
 from specdec.models import LoadedModel
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 
 class TopVocabHead(torch.nn.Module):

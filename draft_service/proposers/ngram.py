@@ -19,8 +19,8 @@ import numpy as np
 from draft_service.proposers.base import Proposal, Proposer
 from draft_service.proposers.datastore import NgramDatastore
 from draft_service.proposers.tree import TreeProposal
-from specdec.kv_cache import CacheMiss
-from specdec.sampling import SamplingParams
+from specdec.core.kv_cache import CacheMiss
+from specdec.core.sampling import SamplingParams
 
 MATCH_BASE = 8.0  # an n-token context match weighs MATCH_BASE**n
 DATASTORE_WEIGHT = 0.5  # below one 1-token context match: the context is the better evidence

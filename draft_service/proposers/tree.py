@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import sampling, tree, wire
-from specdec.sampling import SamplingParams
+from specdec.core import sampling
+from specdec.core import tree
+from specdec.core import wire
+from specdec.core.sampling import SamplingParams
 
 
 @dataclass

@@ -126,7 +126,7 @@ def add_argument(p) -> None:
     p.add_argument("--cpu-affinity", default=os.environ.get("SPECDEC_CPU_AFFINITY", ""), metavar="CPUS",
                    help="pin this service's threads to these CPUs, e.g. 2-3 or 0,2 (default: no pinning). Where "
                         "the target and a draft share a host, give them different CPUs: pipelined steps then do not "
-                        "queue one service's request behind the other's compute (specdec/cpu_affinity.py)")
+                        "queue one service's request behind the other's compute (specdec/ops/cpu_affinity.py)")
 
 
 def apply_from_args(args) -> set[int] | None:

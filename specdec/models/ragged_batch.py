@@ -13,7 +13,7 @@ The model's attention implementation is set to "specdec" (registered here), whic
 every ordinary call (tree masks, HF generate) and this per-session attention only when the cache is a
 `RaggedRows`. Only architectures whose attention is plain causal softmax attention (no sliding window,
 soft-capping or sinks) and whose LM head is a plain projection are switched; others keep the padded batch
-(specdec/kv_cache.py).
+(specdec/core/kv_cache.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // y[M,N] = x[M,K] @ w[N,K]^T (+ bias): float32 linear layers for the few rows of a decode step or a verify block,
-// on AVX2 + FMA, one thread. Built and loaded by specdec/cpu_kernels.py (g++ at first use, cached).
+// on AVX2 + FMA, one thread. Built and loaded by specdec/models/cpu_kernels.py (g++ at first use, cached).
 //
 // Why: at 1-24 rows a linear layer is bound by streaming its weight from memory. oneDNN's packed GEMM makes the
 // FMAs and the weight stream take turns (a 6-row call of a 1536x576 layer took 1.4x a 1-row one); here each
@@ -13,7 +13,7 @@
 //
 // specdec_int8_gemm is the same product with int8 weights and one float scale per output row (weight-only
 // quantisation, activations stay float32): a quarter of the bytes to stream, for a draft that is the target's own
-// weights rounded to int8 (specdec/cpu_kernels.py Int8Linear, draft_service/int8_draft.py). specdec_int8_gemm_a16
+// weights rounded to int8 (specdec/models/cpu_kernels.py Int8Linear, draft_service/int8_draft.py). specdec_int8_gemm_a16
 // (at the end) rounds the activations to int16 and multiplies in integers, where the CPU has AVX-512 VNNI.
 #include <immintrin.h>
 #include <math.h>

@@ -13,7 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdec.redis_server import RedisServer
+from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
+from specdec.ops.redis_server import RedisServer
 
 
 class ServiceProcess:
@@ -34,7 +35,7 @@ class ServiceProcess:
             self.args[i + 1] = self.address
         self._ready.clear()
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *self.args],
+            self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", *self.args],
                                          stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
         threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
         return self
@@ -142,11 +143,6 @@ class StackConfig:
     pin_cpus: str = "off"
 
 
-MODEL_STRATEGIES = ("model", "hybrid", "quantized")  # draft strategies that load a draft model
-QUANTIZED = "quantized"  # the target's own weights in int8 as the draft (draft_service/int8_draft.py)
-LOCAL_NGRAM = "local-ngram"  # the orchestrator drafts in process (`--draft local:ngram`)
-
-
 def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: list[str] = ()) -> list[str]:
     """`specdec serve draft` arguments naming its model (model strategies) and the target (its tokenizer, for the
     n-gram drafter's compatibility check and its datastore)."""
@@ -172,7 +168,7 @@ def resolve_draft_strategy(cfg: StackConfig) -> str:
 
 def int8_draft_runs_here(device: str = "auto") -> bool:
     """The int8 draft needs a CPU device and the native kernel (AVX2 + FMA, g++ at first use)."""
-    from specdec import cpu_kernels
+    from specdec.models import cpu_kernels
     from specdec.models import resolve_device
 
     try:
@@ -215,19 +211,19 @@ class LocalStack:
             raise ValueError(f"pin_cpus must be auto or off, not {self.cfg.pin_cpus!r}")
         if self.cfg.pin_cpus == "off":
             return {}
-        from specdec.cpu_affinity import local_stack_plan
+        from specdec.ops.cpu_affinity import local_stack_plan
 
         drafts = 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
         return local_stack_plan(self.cfg.threads, drafts) or {}
 
     def cpu_affinity(self) -> dict[str, str]:
         """Where the services were pinned ({"target": "1", "draft0": "0"}); empty when nothing was."""
-        from specdec.cpu_affinity import describe
+        from specdec.ops.cpu_affinity import describe
 
         return describe(self.cpu_plan)
 
     def _affinity(self, name: str) -> list[str]:
-        from specdec.cpu_affinity import affinity_args
+        from specdec.ops.cpu_affinity import affinity_args
 
         return affinity_args(self.cpu_plan, name)
 
@@ -251,7 +247,7 @@ class LocalStack:
 
     def _check_ports(self) -> None:
         """Fail before loading any model when a fixed port is taken (a second `specdec up`, say)."""
-        from specdec.grpc_util import bind_problem, listen_error
+        from specdec.core.grpc_util import bind_problem, listen_error
 
         cfg = self.cfg
         wanted = [(cfg.host, cfg.orchestrator_port, "the orchestrator", "--port")] if cfg.orchestrator_port else []
@@ -268,7 +264,7 @@ class LocalStack:
     def _check_draft_model(self) -> None:
         """The distilled draft exists only after `specdec distill`: say so before starting anything."""
         from specdec import models
-        from specdec.grpc_util import StartupError
+        from specdec.core.grpc_util import StartupError
 
         distilled = self.draft_strategy in MODEL_STRATEGIES and self.draft_strategy != QUANTIZED  # int8: the target's
         if distilled and self.cfg.draft_model.lower() == models.DRAFT_DIRNAME:

@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from draft_service import distill
+    from offline import distill
     from specdec.models import load_model
 
     args = _parser().parse_args(argv)

@@ -33,14 +33,14 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the target and each draft on CPUs of their own when enough are allowed (threads "
                         "each), so a pipelined step's two requests do not queue behind each other's compute; off: "
                         "the OS scheduler places them (default: auto for `run`'s one session, off for `up`, where "
-                        "many sessions' gRPC work would share the pinned CPUs: specdec/cpu_affinity.py)")
+                        "many sessions' gRPC work would share the pinned CPUs: specdec/ops/cpu_affinity.py)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--log-dir", default=None)
 
 
 def _stack_config(args):
-    from specdec.stack import StackConfig
+    from launcher.stack import StackConfig
 
     return StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                        draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
@@ -199,7 +199,7 @@ def cmd_serve(args) -> int:
         from draft_service.server import serve
     else:
         from orchestrator.server import serve
-    from specdec.grpc_util import StartupError
+    from specdec.core.grpc_util import StartupError
 
     try:
         serve(args)
@@ -213,7 +213,7 @@ def cmd_up(args) -> int:
     import signal
     import threading
 
-    from specdec.stack import LocalStack
+    from launcher.stack import LocalStack
 
     cfg = _stack_config(args)
     cfg.orchestrator_port = args.port
@@ -257,7 +257,7 @@ def cmd_generate(args) -> int:
 
 def cmd_run(args) -> int:
     from specdec.client import SpecdecClient
-    from specdec.stack import LocalStack
+    from launcher.stack import LocalStack
 
     cfg = _stack_config(args)
     stack = LocalStack(cfg, args.log_dir)
@@ -280,7 +280,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_distill(argv: list[str]) -> int:
-    from draft_service.distill import main
+    from offline.distill import main
 
     return main(argv)
 
@@ -297,7 +297,7 @@ def _main(argv: list[str]) -> int:
     if argv[:1] == ["distill"]:
         return cmd_distill(argv[1:])
     if argv[:1] == ["datastore"]:
-        from draft_service.datastore_build import main as datastore_main
+        from offline.datastore_build import main as datastore_main
 
         return datastore_main(argv[1:])
     args = build_parser(with_services=argv[:1] == ["serve"]).parse_args(argv)
@@ -363,7 +363,7 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "
                                      "(see `specdec datastore --help`)")
 
-    from specdec import stats_cli
+    from specdec.ops import stats_cli
 
     st = sub.add_parser("stats", help="summarise the services' Prometheus /metrics endpoints")
     stats_cli.add_stats_arguments(st)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specdec import ragged_batch
+from specdec.models import ragged_batch
 from specdec.models import LoadedModel
 
 log = logging.getLogger("specdec.kv")
@@ -201,7 +201,7 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
     keep[i] positions when `keep` is given).
 
     Where the model allows (LoadedModel.ragged_batch), the sessions' new tokens are packed into one sequence and
-    each attends to its own cache (specdec/ragged_batch.py); a prompt prefill joins the forward too. Otherwise
+    each attends to its own cache (specdec/models/ragged_batch.py); a prompt prefill joins the forward too. Otherwise
     the batch is padded: every row feeds M = max(len(new)) tokens, a row with fewer new tokens re-feeding its
     last cached tokens (their KV is recomputed), caches are copied left-padded with masked zeros to a common
     length, and each row gets its true position ids; rows shorter in total than M, and inputs longer than
@@ -261,7 +261,7 @@ def extend_batch(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: l
 
 
 def _extend_packed(lm: CachedLM, items: list[tuple[SessionKV, list[int]]], keep: list[int]) -> list[torch.Tensor]:
-    """CachedLM.extend of one or more sessions as one packed forward (specdec/ragged_batch.py); keep[i] in
+    """CachedLM.extend of one or more sessions as one packed forward (specdec/models/ragged_batch.py); keep[i] in
     1..len(new)."""
     check_context(lm.loaded, max(len(s.tokens) + len(new) for s, new in items))
     for s, _ in items:

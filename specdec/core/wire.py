@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
 

@@ -365,7 +365,7 @@ def sample_siblings(q: torch.Tensor, m: int, generator: torch.Generator, round_f
     Without replacement (default): sibling j is drawn from q with siblings 1..j-1 zeroed and renormalised,
     at most as many as q has nonzero entries. ``replace=True``: i.i.d. draws from q. ``round_fn(dist)``
     returns ``(payload, exact)``: what goes on the wire and the distribution it encodes (e.g.
-    :func:`specdec.wire.to_fp16_distribution`); each sibling is drawn from ``exact``, so the verifier sees
+    :func:`specdec.core.wire.to_fp16_distribution`); each sibling is drawn from ``exact``, so the verifier sees
     exactly the distribution that was used. Without ``round_fn`` the payload is the float32 distribution.
     """
     rf = round_fn or (lambda d: (d, d))

@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec import telemetry
+from specdec import observability as telemetry
+from specdec.core.startup import ListenError, StartupError, bind_problem, listen_error  # noqa: F401 (re-exported)
 
 log = logging.getLogger("specdec.grpc")
 
@@ -123,41 +124,8 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
         channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    # Client spans + W3C traceparent propagation (specdec.telemetry).
+    # Client spans + W3C traceparent propagation (specdec.observability).
     return telemetry.intercept_channel(channel, address)
-
-
-class StartupError(RuntimeError):
-    """A service cannot start as configured; its message says why and what to change (no traceback needed)."""
-
-
-class ListenError(StartupError):
-    """A server could not listen where it was told to (the port is taken, the address is not this host's)."""
-
-
-def bind_problem(host: str, port: int) -> str | None:
-    """Why binding host:port fails right now (e.g. 'Address already in use'), or None if it would not."""
-    import socket
-
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and the metrics server bind
-            s.bind((host, port))
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
-
-
-def listen_error(what: str, address: str, reason: str | None = None,
-                 hint: str = "another process holds the port (choose another, or 0 for any free one)") -> ListenError:
-    """The error for a server that cannot listen at address: the reason (probed with bind_problem unless given),
-    and where the port is taken, the hint."""
-    if reason is None:
-        host, _, port = address.rpartition(":")
-        reason = bind_problem(host, int(port)) if port.isdigit() else "not a host:port address"
-    return ListenError(f"cannot listen on {address} for {what}: {reason or 'refused'}"
-                       + (f"; {hint}" if reason == "Address already in use" else ""))
 
 
 class ServiceServer:
@@ -232,7 +200,7 @@ def handle_errors(method):
     """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
     import functools
 
-    from specdec.kv_cache import CacheMiss, ContextTooLong
+    from specdec.core.kv_cache import CacheMiss, ContextTooLong
 
     @functools.wraps(method)
     def wrapper(self, request, context):

@@ -1,7 +1,7 @@
 """Regenerate the gRPC stubs in specdec/v1 from protos/, or check that they are current.
 
-    python -m specdec.genproto          # regenerate
-    python -m specdec.genproto --check  # exit 1 if the committed stubs are stale
+    python -m specdec.ops.genproto          # regenerate
+    python -m specdec.ops.genproto --check  # exit 1 if the committed stubs are stale
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # specdec/ops/genproto.py -> the repository
 PROTO_ROOT = ROOT / "protos"
 PACKAGE_DIR = pathlib.Path("specdec") / "v1"
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         stale += sorted(extra)
         if args.check:
             if stale:
-                print(f"stale gRPC stubs: {', '.join(stale)}; run: python -m specdec.genproto", file=sys.stderr)
+                print(f"stale gRPC stubs: {', '.join(stale)}; run: python -m specdec.ops.genproto", file=sys.stderr)
                 return 1
             print("gRPC stubs are up to date")
             return 0

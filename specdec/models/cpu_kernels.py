@@ -72,7 +72,7 @@ def kernel_dir() -> pathlib.Path:
     env = os.environ.get("SPECDEC_KERNEL_DIR")
     if env:
         return pathlib.Path(env).expanduser()
-    from specdec.models import cache_dir  # models imports this module
+    from specdec.models.cache import cache_dir
 
     return cache_dir() / "kernels"
 

@@ -6,7 +6,7 @@ A tree of ``n`` nodes is two lists: ``tokens[i]`` and ``parents[i]``, where ``pa
 ``i`` a child of the last committed token (the *root*) and otherwise ``parents[i] < i`` (topological order).
 Siblings appear in the order they were drawn; the sampling verifier tests them in that order.
 
-Logit rows follow the chain convention of :mod:`specdec.sampling`: row 0 is the model's distribution after
+Logit rows follow the chain convention of :mod:`specdec.core.sampling`: row 0 is the model's distribution after
 the context (the root's children), row ``i + 1`` the distribution after node ``i`` (node ``i``'s children).
 
 Attention masks are FLOAT additive masks ``[1, 1, n_new, past + n_new]`` (0 = visible, dtype minimum =
@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from specdec import sampling
-from specdec.ragged_batch import truncate_cache
-from specdec.sampling import SamplingParams
+from specdec.core import sampling
+from specdec.models.ragged_batch import truncate_cache
+from specdec.core.sampling import SamplingParams
 
 __all__ = [
     "check_parents",
@@ -157,7 +157,7 @@ def extend_tree(lm, sess, new_tokens: list[int], tree_tokens: list[int], parents
     followed by every tree node's: the caller must call :func:`keep_tree_path` or :func:`drop_tree_kv`.
     Returns float32 logits ``[len(new_tokens) + n, V]`` (row ``len(new_tokens) - 1`` is the root's).
     """
-    from specdec.kv_cache import check_context
+    from specdec.core.kv_cache import check_context
 
     parents = check_parents(parents, len(tree_tokens))
     past = len(sess.tokens)
@@ -241,7 +241,7 @@ def build_tree(root_logits: torch.Tensor, expand: Callable[[list[int], "DraftTre
 
     ``expand(nodes, tree)`` returns the draft's logits ``[len(nodes), V]`` after each of ``nodes`` (one
     batched forward). Greedy: children are the draft's top tokens. Sampling: children are drawn WITHOUT
-    replacement (:func:`specdec.sampling.sample_siblings`), and ``probs_fp16[i]`` is the distribution node
+    replacement (:func:`specdec.core.sampling.sample_siblings`), and ``probs_fp16[i]`` is the distribution node
     i was drawn from given its earlier siblings, which is what the verifier needs. How many children a node
     gets depends only on what was drawn before its children (never on the children themselves), which the
     multi-branch rejection sampler's correctness requires.

@@ -1,0 +1,233 @@
+"""Timed runs besides the single-session sweep: one configuration on one prompt, a level of the concurrency
+sweep, the model-step microbenchmarks and the per-step system overheads (gRPC round trip, Redis commit)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from bench.configs import Config, Sample
+
+log = logging.getLogger("bench")
+
+
+def _run_one(cfg: Config, ids: list[int], max_new: int, prompt: str, rnd: int) -> Sample | None:
+    try:
+        s = cfg.run(ids, max_new)
+    except Exception as e:  # noqa: BLE001 - one broken configuration must not sink the whole run
+        cfg.available = False
+        cfg.reason = f"failed during the run: {type(e).__name__}: {str(e)[:300]}"
+        log.error("%s failed: %s", cfg.name, e)
+        return None
+    s.prompt, s.round = prompt, rnd
+    return s
+
+
+def run_sessions_level(n: int, jobs: list[tuple[str, list[int]]], max_new: int, clients: list,
+                       draft_len: int = 0) -> tuple[float, list[Sample]]:
+    """n worker threads (one client each) drain the job list; returns (wall seconds, samples)."""
+    lock = threading.Lock()
+    queue = list(jobs)
+    out: list[Sample] = []
+    errors: list[BaseException] = []
+
+    def worker(client):
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                name, ids = queue.pop(0)
+            try:
+                r = client.generate(ids, max_new_tokens=max_new, speculation=True, max_draft_len=draft_len)
+            except BaseException as e:  # noqa: BLE001
+                with lock:
+                    errors.append(e)
+                return
+            with lock:
+                out.append(Sample(name, 0, list(r.token_ids), r.wall_s, dict(r.stats)))
+
+    threads = [threading.Thread(target=worker, args=(clients[i],), daemon=True) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, out
+
+
+def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int = 8) -> dict:
+    """Target step time, (g+1)-token verify forwards and the draft step, in this process on the services'
+    KV-cache code path, interleaved (see bench.hf.step_costs)."""
+    from bench.hf import step_costs
+
+    sizes = list(range(2, max(draft_lens) + 3))  # verify blocks of g + 1 tokens, g = 1 .. max + 1
+    r = step_costs(target, draft, ids, sizes, reps=reps)
+    t = r["target_ms"][1]
+    out = {"target_step_ms": t, "target_block_ms": {str(n): r["target_ms"][n] for n in sizes},
+           "draft_step_ms": r["draft_step_ms"], "c": None, "reps": reps,
+           "note": "medians of interleaved in-process forwards (torch threads as the services) after prefilling "
+                   "the first prompt; c = draft step / target step"}
+    out["verify_cost_vs_step"] = {k: v / t for k, v in out["target_block_ms"].items()}
+    if r["draft_step_ms"] is not None:
+        out["c"] = r["draft_step_ms"] / t
+    return out
+
+
+def verify_forward(target, ids: list[int], n: int):
+    """One cached forward of n new tokens on the target after the prompt, cropped back after: a verify's work
+    (see bench.hf.step_costs)."""
+    from bench.hf import prompt_session
+
+    lm, sess, tok = prompt_session(target, ids)
+    base = len(sess.tokens)
+
+    def forward() -> None:
+        lm.extend(sess, [tok] * n)
+        lm.crop(sess, base)
+
+    return forward
+
+
+def bare_grpc_cost(wait_ms: float, reps: int = 20, forward=None) -> dict:
+    """Medians of a bare gRPC call in this process (no interceptors, no service code) beyond what its handler
+    did: nothing, sleeping wait_ms (a target step), and running `forward()` (a verify's forward of the target
+    model, when given). Sleep minus nothing is this host waking threads that waited that long (a client blocked
+    on the call, the server's poller); forward minus sleep is the same call's code running from caches the
+    model's weights just swept. Every Verify pays both on top of gRPC's own cost: together they are the floor
+    of a Python gRPC round trip around a target forward here, whatever the service code does."""
+    import statistics
+    from concurrent import futures
+
+    import grpc
+
+    work = {"grpc_bare_ms": lambda: None, "grpc_bare_after_wait_ms": lambda: time.sleep(wait_ms / 1e3)}
+    if forward is not None:
+        work["grpc_bare_after_forward_ms"] = forward
+
+    def handler(request, context):  # the request names the case; the reply is what its work took
+        t0 = time.perf_counter()
+        work[request.decode()]()
+        return repr(time.perf_counter() - t0).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Wait", {"Wait": grpc.unary_unary_rpc_method_handler(handler)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary("/bench.Wait/Wait")
+    out = {}
+    try:
+        for key in work:
+            call(key.encode(), timeout=60)
+            extra = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                took = float(call(key.encode(), timeout=60))
+                extra.append((time.perf_counter() - t0 - took) * 1e3)
+            out[key] = statistics.median(extra)
+    finally:
+        channel.close()
+        server.stop(0)
+    return out
+
+
+def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, model_reps: int = 6,
+                      step_ms: float = 50.0, forward=None) -> dict:
+    """Loopback costs around the models, measured against the running services.
+
+    * an empty unary RPC (TargetService.GetInfo) and the orchestrator's per-step Redis commit;
+    * Verify (k drafts), Decode (1 token) and Propose (k tokens) called directly: client round trip minus the
+      model time the service itself reports = what gRPC, (de)serialisation and the service's own Python cost
+      per call."""
+    import statistics
+
+    from orchestrator.clients import DraftClient, TargetClient
+    from orchestrator.session_store import SessionRecord, open_store
+    from specdec.core.sampling import SamplingParams
+
+    med = statistics.median
+    out: dict = {}
+    target = TargetClient(services.addresses["target"])
+    draft = DraftClient(services.addresses["draft"])
+    try:
+        target.info(timeout=10)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.info(timeout=10)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out["grpc_unary_roundtrip_ms"] = med(times)
+
+        greedy = SamplingParams()
+        sid = "bench-overhead"
+        first = target.decode(sid, list(ids), 0, 1, greedy, 0, 0, [], 120.0)
+        ctx = list(ids) + list(first.tokens)
+        drafts = [ctx[-1]] * k
+        rt, model = [], []
+        for i in range(model_reps):  # Verify at a fixed position: crop to ctx - 1, feed 1 + k tokens
+            t0 = time.perf_counter()
+            v = target.verify(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1, 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(v.verify_ms)
+        out["target_verify_rpc_ms"] = med(rt)
+        out["target_verify_service_ms"] = med(model)
+        out["target_verify_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        rt, model = [], []
+        for i in range(model_reps):  # Decode one token at a fixed position
+            t0 = time.perf_counter()
+            d = target.decode(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i, [], 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(d.decode_ms)
+        out["target_decode_rpc_ms"] = med(rt)
+        out["target_decode_service_ms"] = med(model)
+        out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        target.release(sid)
+        rt, model = [], []
+        draft.propose(sid, ctx, 0, k, greedy, 0, 0, 120.0)  # the draft prefills the prompt once
+        for i in range(model_reps):
+            t0 = time.perf_counter()
+            r = draft.propose(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1, 120.0)
+            rt.append((time.perf_counter() - t0) * 1e3)
+            model.append(r.draft_ms)
+        out["draft_propose_rpc_ms"] = med(rt)
+        out["draft_propose_service_ms"] = med(model)
+        out["draft_propose_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        draft.release(sid)
+    finally:
+        target.close()
+        draft.close()
+
+    store = open_store(services.redis.url)
+    rec = SessionRecord("bench-overhead", list(ids), {"temperature": 0.0, "max_new_tokens": 96},
+                        stats={k: 0 for k in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted",
+                                              "fallback_steps", "decode_steps", "draft_ms", "verify_ms", "wall_ms")})
+    store.create(rec)
+    rtimes = []
+    for i in range(reps):
+        rec.generated.extend([1, 2, 3])
+        rec.step = i
+        t0 = time.perf_counter()
+        store.commit(rec, [1, 2, 3])
+        rtimes.append((time.perf_counter() - t0) * 1e3)
+    store.delete(rec.session_id)
+    out["redis_commit_ms"] = med(rtimes)
+    out.update(bare_grpc_cost(step_ms, forward=forward))
+    out["grpc_wait_ms"] = step_ms
+    out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
+                                          + out["redis_commit_ms"])
+    # --draft local:ngram drafts inside the orchestrator: no Propose round trip
+    out["per_step_system_overhead_local_draft_ms"] = out["target_verify_rpc_overhead_ms"] + out["redis_commit_ms"]
+    out["note"] = (f"medians; Verify with k={k} drafts and Propose of k={k} tokens ({model_reps} calls each), GetInfo "
+                   f"and Redis commit ({reps} each); *_rpc_overhead = client round trip - the model time the service "
+                   "reports; per_step_system_overhead = Verify + Propose overheads + one Redis commit (the orchestrator's "
+                   "own Python per step is on top); grpc_bare_ms / grpc_bare_after_wait_ms: a bare gRPC call in the "
+                   "benchmark process beyond its handler's time, without work and after sleeping grpc_wait_ms (a target "
+                   "step): the difference is this host waking threads that waited, part of every call's overhead; "
+                   f"grpc_bare_after_forward_ms: the same call around the target's forward of k+1 = {k + 1} tokens "
+                   "(the services' KV-cache path): the floor of a gRPC round trip around a verify on this host")
+    return out

@@ -1,0 +1,1 @@
+"""Offline tools run before serving: draft distillation and the n-gram datastore build."""
