@@ -16,6 +16,7 @@ from orchestrator.server import OrchestratorServicer, build_server as build_orch
 from orchestrator.session_store import open_store
 from specdec.client import SpecdecClient
 from specdec.kv_cache import SessionCacheStore
+from specdec.v1 import common_pb2
 from target_service.engine import TargetEngine
 from target_service.server import build_server as build_target_server
 from tests.harness import DRAFT_SAME, TARGET, model, start_draft
@@ -184,6 +185,35 @@ def test_bad_resolve_interval_and_dns_address_flags_are_refused():
         server.serve(p.parse_args(["--resolve-interval-s", "0"]))
     with pytest.raises(SystemExit, match="--draft: .*needs a host and a port"):
         server.serve(p.parse_args(["--draft", "dns:///draft"]))
+
+
+def test_with_tls_a_resolved_replica_is_checked_against_the_dns_name(tmp_path):
+    """The certificate names the service (draft.test), not its pods' IPs: the channel to a resolved IP checks it
+    against the name it was resolved from; a plain channel to the IP is refused."""
+    import grpc
+
+    from orchestrator.clients import DraftClient
+    from specdec import grpc_util
+    from tests.test_tls import make_pki
+
+    grpc_util.configure_tls(make_pki(tmp_path, san="DNS:draft.test"))
+    server = pool = None
+    try:
+        server = start_draft("ngram", "127.0.0.1:0")
+        port = int(server.address.rsplit(":", 1)[1])
+        pool = DraftPool([f"dns:///draft.test:{port}"], resolve=FakeDns(f"127.0.0.1:{port}"),
+                         health_interval_s=3600, resolve_interval_s=3600)
+        assert pool.replicas[0].client.info(timeout=10).strategy == "ngram"
+        plain = DraftClient(f"127.0.0.1:{port}")
+        with pytest.raises(grpc.RpcError):
+            plain.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=3)
+        plain.close()
+    finally:
+        if pool is not None:
+            pool.close()
+        if server is not None:
+            server.stop(0)
+        grpc_util.configure_tls(None)
 
 
 # --- end to end: real draft services on two loopback addresses behind a fake resolver -------------------------
