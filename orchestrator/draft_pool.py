@@ -204,7 +204,8 @@ class DraftPool:
 
         self._new_replica = replica
         self._resolve_soon = threading.Event()
-        self._lock = threading.Lock()  # one membership change at a time
+        self._lock = threading.Lock()  # guards the membership swap and the retired channels against close()
+        self._refresh_lock = threading.Lock()
         self._retired: list[tuple[float, DraftReplica]] = []
         self.replicas = [replica(a) for a in self.discovery.refresh()]  # replaced whole, never changed in place
         self.health_interval_s = health_interval_s
@@ -237,30 +238,32 @@ class DraftPool:
     def refresh(self) -> list[str]:
         """Resolve the DNS entries again and make the replicas match: new addresses join (their info is asked
         for first, so an incompatible replica is refused before a session uses it), gone ones leave."""
-        addresses = self.discovery.refresh()
-        with self._lock:
+        with self._refresh_lock:  # one refresh at a time (the resolver thread, a caller)
+            addresses = self.discovery.refresh()
             current = {r.address: r for r in self.replicas}
-            if list(current) == addresses:
-                self._close_retired()
-                return addresses
             joined = [self._new_replica(a) for a in addresses if a not in current]
-            for r in joined:
+            for r in joined:  # outside _lock: close() is not held up by a replica slow to answer
                 self._ask_info(r)
-                if not self._stop.is_set():
+            with self._lock:
+                if self._stop.is_set():
+                    for r in joined:
+                        r.client.close()
+                    return addresses
+                self._close_retired()
+                if list(current) == addresses:
+                    return addresses
+                for r in joined:
                     r.watch_health()
-            by_address = {**current, **{r.address: r for r in joined}}
-            self.replicas = [by_address[a] for a in addresses]
-            now = time.monotonic()
-            left = [r for a, r in current.items() if a not in addresses]
-            for r in left:
-                r.stop_watch()
-                r.breaker.on_open = None
-                r.breaker.health_failed()  # anyone still holding it treats it as down
-                self._retired.append((now, r))
+                by_address = {**current, **{r.address: r for r in joined}}
+                self.replicas = [by_address[a] for a in addresses]
+                left = [r for a, r in current.items() if a not in addresses]
+                for r in left:
+                    r.stop_watch()
+                    r.breaker.on_open = None
+                    r.breaker.health_failed()  # anyone still holding it treats it as down
+                    self._retired.append((time.monotonic(), r))
             log.info("draft replicas changed", extra={
-                "joined": [r.address for r in joined], "left": [r.address for r in left],
-                "replicas": addresses})
-            self._close_retired()
+                "joined": [r.address for r in joined], "left": [r.address for r in left], "replicas": addresses})
         return addresses
 
     def _close_retired(self, everything: bool = False) -> None:

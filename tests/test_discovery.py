@@ -295,6 +295,7 @@ def test_replicas_found_by_dns_join_and_leave_a_running_orchestrator_tokens_unch
                 state["stayed"] = next(x for x in (addr_a, addr_b) if x != state["left"])
                 dns.addresses = [state["stayed"]]
                 assert wait_until(lambda: [r.address for r in stack.pool.replicas] == [state["stayed"]])
+                time.sleep(0.3)  # a call already under way when it left may still arrive; none starts later
                 state["calls_then"] = len(calls[state["left"]])
                 state["session"] = msg.session_id
         assert tokens == ref
