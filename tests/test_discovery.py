@@ -132,6 +132,20 @@ def test_each_resolved_address_is_a_replica_and_replicas_join_and_leave(monkeypa
         pool.close()
 
 
+def test_a_pool_whose_name_does_not_resolve_yet_starts_empty_and_fills_when_it_does():
+    """Kubernetes: the orchestrator may start before any draft pod is ready (the headless name has no records)."""
+    dns = FakeDns("127.0.0.1:1")
+    dns.fail = True
+    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=0.05, health_interval_s=3600)
+    try:
+        assert pool.replicas == [] and pool.pick("s") is None and not pool.any_available()  # target-only for now
+        dns.fail = False
+        assert wait_until(lambda: [r.address for r in pool.replicas] == ["127.0.0.1:1"])
+        assert pool.pick("s") is pool.replicas[0]
+    finally:
+        pool.close()
+
+
 def test_rendezvous_affinity_moves_only_the_sessions_of_a_replica_that_left():
     dns = FakeDns("127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1")
     pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=3600, health_interval_s=3600)
