@@ -15,6 +15,7 @@ import grpc
 
 from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
+from orchestrator.discovery import is_dns, parse_dns
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
@@ -339,7 +340,7 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
                    auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
                    breaker_failures: int = 2, local_datastore: str = "auto",
-                   session_lease_s: float = 5.0) -> OrchestratorServicer:
+                   session_lease_s: float = 5.0, resolve_interval_s: float = 5.0) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
@@ -360,7 +361,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
         pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
                          on_info=lambda replica, info: check_compatible(target_info, info),
                          local_client=lambda address: build_local_client(
-                             address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore))
+                             address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore),
+                         resolve_interval_s=resolve_interval_s)
         for replica in pool.replicas:
             try:
                 replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
@@ -394,7 +396,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="127.0.0.1:50052", help="target service address")
     p.add_argument("--draft", default="127.0.0.1:50051",
                    help="draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
-                        "the n-gram drafter inside this process (no Propose round trip)")
+                        "the n-gram drafter inside this process (no Propose round trip); 'dns:///NAME:PORT' is every "
+                        "address NAME resolves to, one replica each, re-resolved while running (--scale'd compose "
+                        "services, Kubernetes headless Services)")
+    p.add_argument("--resolve-interval-s", type=float, default=5.0,
+                   help="how often dns:/// draft addresses are resolved again (also soon after a replica fails)")
     p.add_argument("--local-datastore", default="auto",
                    help="n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` "
                         "built one), none, or a path")
@@ -466,6 +472,14 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
     if not args.startup_timeout_s > 0:
         raise SystemExit(f"--startup-timeout-s must be positive, got {args.startup_timeout_s}")
+    if not args.resolve_interval_s > 0:
+        raise SystemExit(f"--resolve-interval-s must be positive, got {args.resolve_interval_s}")
+    for address in (a.strip() for a in (args.draft or "").split(",")):
+        if is_dns(address):
+            try:
+                parse_dns(address)
+            except ValueError as e:
+                raise SystemExit(f"--draft: {e}") from None
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
     cpus = cpu_affinity.apply_from_args(args)
@@ -493,7 +507,8 @@ def serve(args: argparse.Namespace) -> None:
                               args.session_ttl_s, startup_timeout_s=args.startup_timeout_s,
                               max_active_sessions=args.max_sessions, auth_tokens=tokens,
                               breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
-                              local_datastore=args.local_datastore, session_lease_s=args.session_lease_s)
+                              local_datastore=args.local_datastore, session_lease_s=args.session_lease_s,
+                              resolve_interval_s=args.resolve_interval_s)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)

@@ -166,13 +166,14 @@ def parse_specdec(argv: list[str]) -> argparse.Namespace:
 
 
 def _port(address: str) -> int:
+    address = address.removeprefix("dns:///")  # every address the name resolves to (orchestrator/discovery.py)
     host, _, port = address.rpartition(":")
     assert host and port.isdigit(), f"not host:port: {address!r}"
     return int(port)
 
 
 def _host(address: str) -> str:
-    return address.rpartition(":")[0]
+    return address.removeprefix("dns:///").rpartition(":")[0]
 
 
 def container_ports(svc: dict) -> set[int]:

@@ -12,8 +12,8 @@ from specdec.core.grpc_util import TlsConfig
 from tests.harness import DRAFT_EARLY, start_stack
 
 
-def make_pki(d):
-    """A CA and one leaf certificate for 127.0.0.1/localhost, with the openssl CLI."""
+def make_pki(d, san: str = "IP:127.0.0.1,DNS:localhost"):
+    """A CA and one leaf certificate for the names in san (127.0.0.1/localhost), with the openssl CLI."""
     openssl = shutil.which("openssl")
     assert openssl, "openssl CLI is needed to make test certificates"
 
@@ -22,7 +22,7 @@ def make_pki(d):
 
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
         "-subj", "/CN=specdec-test-ca")
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "san.cnf").write_text(f"subjectAltName={san}\n")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", "/CN=localhost")
     run("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "svc.pem",
         "-days", "1", "-extfile", "san.cnf")

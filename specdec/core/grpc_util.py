@@ -115,12 +115,18 @@ def tls_from_args(args, require_client_cert: bool = True) -> TlsConfig | None:
 
 
 def make_channel(address: str, service_names: Iterable[str] = (), retries: bool = True,
-                 tls: TlsConfig | None = None) -> grpc.Channel:
+                 tls: TlsConfig | None = None, authority: str | None = None) -> grpc.Channel:
+    """``authority``: the name the server is known by when ``address`` is one of its resolved IPs (the TLS
+    certificate is checked against it)."""
     options = list(CHANNEL_OPTIONS)
+    if authority:
+        options.append(("grpc.default_authority", authority))
     if retries and service_names:
         options.append(("grpc.service_config", retry_service_config(service_names)))
     tls = tls or _tls
     if tls is not None:
+        if authority:
+            options.append(("grpc.ssl_target_name_override", authority))
         channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
