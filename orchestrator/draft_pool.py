@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.clients import DraftClient
 from orchestrator.discovery import Discovery, Resolve
-from specdec.grpc_util import make_channel
+from specdec.core.grpc_util import make_channel
 
 log = logging.getLogger("specdec.orchestrator.pool")
 

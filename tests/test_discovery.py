@@ -15,7 +15,7 @@ from orchestrator.generation import LoopConfig
 from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
 from orchestrator.session_store import open_store
 from specdec.client import SpecdecClient
-from specdec.kv_cache import SessionCacheStore
+from specdec.core.kv_cache import SessionCacheStore
 from specdec.v1 import common_pb2
 from target_service.engine import TargetEngine
 from target_service.server import build_server as build_target_server
@@ -207,7 +207,7 @@ def test_with_tls_a_resolved_replica_is_checked_against_the_dns_name(tmp_path):
     import grpc
 
     from orchestrator.clients import DraftClient
-    from specdec import grpc_util
+    from specdec.core import grpc_util
     from tests.test_tls import make_pki
 
     grpc_util.configure_tls(make_pki(tmp_path, san="DNS:draft.test"))
