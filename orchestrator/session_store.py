@@ -116,7 +116,9 @@ class RedisSessionStore:
     def __init__(self, url: str, ttl_s: int = 3600, socket_timeout_s: float = 2.0, lease_ttl_s: float = 5.0):
         import redis
 
-        self.url = url
+        from specdec.security import redact_url
+
+        self.url = redact_url(url)  # errors and the outline show this; only the client below sees the password
         self.ttl_s = ttl_s
         self.lease_ttl_s = lease_ttl_s
         self.client = redis.Redis.from_url(

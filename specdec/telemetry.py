@@ -20,6 +20,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -75,7 +76,7 @@ def setup(service_name: str, level: str | None = None, metrics_port: int | str |
           configure_logging: bool = True) -> None:
     """JSON logs on stderr; SDK trace and meter providers (OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT
     is set); a Prometheus /metrics endpoint when ``metrics_port`` or env SPECDEC_METRICS_PORT is given
-    (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 0.0.0.0)."""
+    (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 127.0.0.1)."""
     global _SERVICE
     _SERVICE = service_name
     if configure_logging:
@@ -210,6 +211,11 @@ def add_span_processor(processor) -> None:
     tracer_provider().add_span_processor(processor)
 
 
+def metrics_host() -> str:
+    """Where /metrics listens unless told: loopback, since the endpoint has no authentication."""
+    return os.environ.get("SPECDEC_METRICS_HOST", "127.0.0.1")
+
+
 def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
     """Serve Prometheus text format at http://HOST:PORT/metrics; returns the bound port (0 = any free one).
     A second call returns the running server's port."""
@@ -223,7 +229,7 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         spec = str(port)
         if ":" in spec:
             host, spec = spec.rsplit(":", 1)
-        host = host or os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
+        host = host or metrics_host()
         from prometheus_client import start_http_server
 
         try:
@@ -552,9 +558,23 @@ def register_gauge(name: str, callback: Callable[[], object], unit: str = "", de
 _tracer = trace.get_tracer("specdec")  # a proxy until a provider is set; cheap to keep
 
 
+@functools.lru_cache(maxsize=4096)
+def session_hash(session_id: str) -> str:
+    """What spans carry instead of a session id (the id is a bearer capability: whoever has it may resume the
+    session). Find a session's traces by searching session_id=session_hash(id)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
+
+
+def _attributes(attributes: dict) -> dict:
+    out = {k: v for k, v in attributes.items() if v is not None}
+    if out.get("session_id"):
+        out["session_id"] = session_hash(out["session_id"])
+    return out
+
+
 @contextlib.contextmanager
 def span(name: str, **attributes):
-    with _tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items() if v is not None}) as s:
+    with _tracer.start_as_current_span(name, attributes=_attributes(attributes)) as s:
         yield s
 
 
@@ -566,7 +586,7 @@ def call_attributes(**attributes):
     """Attributes for the CLIENT spans of the calls made inside this block (gRPC calls and ``traced`` store
     calls): the orchestrator's step (session_id, k, ...) goes on the call's own span instead of an INTERNAL step
     span wrapping a single call. Not metric attributes (a session id would make unbounded series)."""
-    token = _call_attrs.set({k: v for k, v in attributes.items() if v is not None})
+    token = _call_attrs.set(_attributes(attributes))
     try:
         yield
     finally:
@@ -578,7 +598,7 @@ def annotate(**attributes):
     annotates its call's span rather than opening a child span that would only repeat it: every span costs the
     critical path of a speculative step tens of microseconds per process."""
     s = trace.get_current_span()
-    s.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    s.set_attributes(_attributes(attributes))
     return s
 
 
