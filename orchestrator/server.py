@@ -378,7 +378,10 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                 if cfg.tree_budget and not replica.info.drafts_trees:
                     log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
                                 "chains", extra={"replica": replica.address, "model": replica.info.model_name})
-    store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
+    try:
+        store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
+    except ValueError as e:  # orchestrator/store_client.py's StoreUrlError: a malformed --redis URL
+        raise StartupError(f"--redis: {e}") from None
     try:
         store.ping()
     except StoreUnavailable as e:
