@@ -152,14 +152,20 @@ class RedisSessionStore:
 
         try:
             return fn()
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError) as e:
-            # READONLY: a demoted master after a failover; like a refused connection, the grace period waits
+        except (redis.ConnectionError, redis.TimeoutError) as e:
             raise StoreUnavailable(f"session store at {self.url} is unavailable: {e}") from e
+        except redis.ResponseError as e:
+            # READONLY (also from inside a script): this server was demoted by a failover. An outage the grace
+            # period waits out; new connections ask the sentinels for the promoted master.
+            if "READONLY" not in str(e):
+                raise
+            self.client.connection_pool.disconnect()
+            raise StoreUnavailable(f"session store at {self.url} is read-only (failing over?): {e}") from e
 
     def _write(self, queue):
         """Run the writes queue(pipe) adds, on one connection; then WAIT for the replicas (store_client.py) on
         that same connection, so a write acknowledged here survives a failover. A WAIT that comes back short
-        of replicas still online is an outage: the caller retries the (idempotent) write."""
+        (ReplicaWait.short) is an outage: the caller retries the (idempotent) write."""
         def _do():
             pipe = self.client.pipeline(transaction=False)
             queue(pipe)
@@ -167,7 +173,7 @@ class RedisSessionStore:
             if want:
                 pipe.execute_command("WAIT", want, self.replicas.timeout_ms)
             out = pipe.execute()
-            if want and out[-1] < want and self.replicas.refresh() > out[-1]:
+            if want and out[-1] < want and self.replicas.short(out[-1]):
                 raise StoreUnavailable(f"session store at {self.url}: a write reached {out[-1]} of {want} "
                                        "replicas in time")
             return out[:-1] if want else out

@@ -6,9 +6,12 @@
 
 The Sentinel client asks the sentinels where the master is and asks again after a connection fails, so after
 a failover the store follows the promoted replica. A committed block is acknowledged to the client only after
-``WAIT`` saw it on ``wait_replicas`` replicas (``auto``, the Sentinel default: every replica the master has
-online, counted once a second; 0, the plain default: none), so a failover to a replica loses no
-acknowledged block. The password is the master's (PASSWORD), the sentinels are asked without one.
+``WAIT`` saw it on ``wait_replicas`` replicas (``auto``, the Sentinel default: every replica the sentinels
+see alive, counted once a second; 0, the plain default: none), so a failover to a replica loses no
+acknowledged block. A WAIT that comes back short counts as an outage (the caller retries the idempotent
+write) unless the replicas it missed are gone; with Sentinel also when the master moved meanwhile (a
+write the demoted master took is discarded when it resyncs). The password is the master's (PASSWORD); the
+sentinels are asked without one.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ class StoreClient:
 
 
 class ReplicaWait:
-    """How many replicas a write waits for: a fixed number, or (auto) those the master has online now."""
+    """How many replicas a write waits for: a fixed number, or (auto) those alive now: as the sentinels see
+    them, or without Sentinel those the master has online."""
 
-    def __init__(self, client, wanted: int | str, timeout_ms: int):
+    def __init__(self, client, wanted: int | str, timeout_ms: int, sentinel=None, service: str = ""):
         self.client, self.wanted, self.timeout_ms = client, wanted, timeout_ms
+        self.sentinel, self.service = sentinel, service
         self._online, self._checked = 0, float("-inf")
         self._lock = threading.Lock()
 
@@ -52,12 +57,24 @@ class ReplicaWait:
         """Count the master's online replicas now (auto), e.g. after a WAIT that came back short."""
         if self.wanted != "auto":
             return self.wanted
-        info = self.client.info("replication")
-        online = sum(1 for k, v in info.items()
-                     if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
+        if self.sentinel is not None:
+            online = len(self.sentinel.discover_slaves(self.service))
+        else:
+            info = self.client.info("replication")
+            online = sum(1 for k, v in info.items()
+                         if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
         with self._lock:
             self._online, self._checked = online, time.monotonic()
         return online
+
+    def short(self, acked: int) -> bool:
+        """Whether a write whose WAIT reached `acked` replicas is not durable: a replica that should have it is
+        still alive, or (Sentinel) the server that took it is no longer the master."""
+        if self.sentinel is not None and self.sentinel.discover_master(self.service) != \
+                self.client.connection_pool.master_address:
+            self.client.connection_pool.disconnect()  # the next connection goes to the promoted master
+            return True
+        return self.refresh() > acked
 
 
 def _wait_option(query: dict, default: int | str) -> tuple[int | str, int]:
@@ -109,6 +126,7 @@ def connect(url: str, socket_timeout_s: float = 2.0) -> StoreClient:
         client = sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, password=password,
                                      username=username, ssl=parts.scheme.startswith("rediss"),
                                      health_check_interval=30, **timeouts)
+        return StoreClient(client, ReplicaWait(client, wanted, timeout_ms, sentinel, path[0]))
     else:
         wanted, timeout_ms = _wait_option(query, 0)
         plain = urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
