@@ -408,7 +408,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-datastore", default="auto",
                    help="n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` "
                         "built one), none, or a path")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="session store URL, or 'memory'")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0",
+                   help="session store URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER "
+                        "(failover; commits wait for the replicas), or 'memory'")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the target's model)")
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
     p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
