@@ -20,8 +20,8 @@ from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, Genera
                                      StepTimer, stats_message)
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
 from specdec import cpu_affinity, telemetry
-from specdec.security import read_secret, read_tokens, require_authentication, url_with_password
 from specdec.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
+from specdec.security import is_loopback, read_secret, read_tokens, require_authentication, url_with_password
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -492,10 +492,14 @@ def serve(args: argparse.Namespace) -> None:
                            "give --auth-tokens-file (bearer tokens) or mutual TLS on the public port")
     store_url = args.redis
     if args.redis_password_file:
+        if "://" not in store_url or store_url.startswith("memory"):
+            raise StartupError(f"--redis-password-file needs a redis:// store URL, not {store_url!r}")
         store_url = url_with_password(store_url, read_secret(args.redis_password_file, "the Redis password"))
     cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     cpu_affinity.log_pinning(log, cpus, 1)
+    if (tokens or admin_tokens) and not args.tls_cert and not is_loopback(args.listen):
+        log.warning("bearer tokens over plaintext: give the public port TLS (--tls-cert/--tls-key)")
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
