@@ -270,6 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> None:
     import torch
 
+    from specdec.core.security import require_mtls
+
+    require_mtls(args)  # before loading anything: an unauthenticated non-loopback listener is refused
     cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-draft", metrics_port=args.metrics_port)
     cpu_affinity.log_pinning(log, cpus, args.threads)

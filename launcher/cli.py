@@ -205,7 +205,7 @@ def cmd_serve(args) -> int:
         serve(args)
     except StartupError as e:
         print(f"specdec serve {args.service}: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     return 0
 
 
@@ -249,7 +249,9 @@ def cmd_generate(args) -> int:
         args.prompt = sys.stdin.read()
     speculation = {"speculative": True, "target-only": False, "default": None}[args.mode]
     resume = (args.resume, args.resume_from or 0) if args.resume else None
-    with SpecdecClient(args.address, token=os.environ.get("SPECDEC_TOKEN")) as client:
+    from specdec.core.grpc_util import client_tls_from_env
+
+    with SpecdecClient(args.address, token=os.environ.get("SPECDEC_TOKEN"), tls=client_tls_from_env()) as client:
         result = _generate(client, args, args.prompt, speculation, resume)
     _print_result(result, args)
     return 0
@@ -296,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["distill"]:
         return cmd_distill(argv[1:])
+    if argv[:1] == ["certs"]:
+        from specdec.core.security import add_certs_arguments, run_certs
+
+        p = argparse.ArgumentParser(prog="specdec certs", description="Make a CA, service certificates and secrets.")
+        add_certs_arguments(p)
+        return run_certs(p.parse_args(argv[1:]))
     if argv[:1] == ["datastore"]:
         from offline.datastore_build import main as datastore_main
 
@@ -360,6 +368,8 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run, batch_window_ms=0.0, pin_cpus="auto")
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
+    sub.add_parser("certs", help="make a CA, one certificate per service and random secrets for mutual TLS "
+                                 "(see `specdec certs --help`)")
     sub.add_parser("datastore", help="build the n-gram drafter's table of the target's replies "
                                      "(see `specdec datastore --help`)")
 

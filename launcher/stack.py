@@ -252,7 +252,9 @@ class LocalStack:
         cfg = self.cfg
         wanted = [(cfg.host, cfg.orchestrator_port, "the orchestrator", "--port")] if cfg.orchestrator_port else []
         if cfg.metrics_base_port:
-            host = os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
+            from specdec.observability import metrics_host
+
+            host = metrics_host()
             drafts = 0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas
             wanted += [(host, cfg.metrics_base_port + i, "metrics", "--metrics-base-port") for i in range(2 + drafts)]
         for host, port, what, flag in wanted:

@@ -12,7 +12,9 @@ import dataclasses
 import threading
 import time
 import weakref
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
+
+from specdec.core.security import redact_url
 
 from orchestrator.draft_length import GoodputDraftLength
 
@@ -80,18 +82,32 @@ def _replica_info(replica):
     return entry[1], entry[2]
 
 
-def _redact(url: str) -> str:
+REDACTED = "<redacted: admin only>"
+
+
+def _internal_addresses(servicer) -> set[str]:
+    """The addresses the outline may reveal: target, draft replicas, the store's host:port."""
+    found = {getattr(getattr(servicer, "target", None), "address", "")}
+    found |= {getattr(r, "address", "") for r in _replicas(servicer)}
+    store_url = getattr(getattr(servicer, "store", None), "url", "") or ""
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(store_url)
+        found |= {store_url, parts.netloc, parts.netloc.rpartition("@")[2]}
     except ValueError:
-        return "<unparseable>"
-    if parts.password:
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        user = f"{parts.username}:***@" if parts.username else ":***@"
-        parts = parts._replace(netloc=user + host)
-    return urlunsplit(parts)
+        found.add(store_url)
+    return {a for a in found if a and a != "memory://" and not a.startswith("local:")}  # local: names a mode
+
+
+def redact_addresses(value, addresses: set[str]):
+    """The outline with every occurrence of an internal address replaced (longest first, so a URL goes whole)."""
+    if isinstance(value, dict):
+        return {k: redact_addresses(v, addresses) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_addresses(v, addresses) for v in value]
+    if isinstance(value, str):
+        for a in sorted(addresses, key=len, reverse=True):
+            value = value.replace(a, REDACTED)
+    return value
 
 
 def _model_dict(info) -> dict:
@@ -389,7 +405,8 @@ def _trade_off(servicer, acceptance: dict) -> dict:
     return out
 
 
-def build_outline(servicer) -> dict:
+def build_outline(servicer, show_addresses: bool = True) -> dict:
+    """The outline; without show_addresses, internal addresses (target, drafts, store) are replaced."""
     view = _draft_view(servicer)
     status = _draft_status(view)
     target = getattr(servicer, "target", None)
@@ -415,10 +432,10 @@ def build_outline(servicer) -> dict:
                          if view["replicas"] else {"role": "none", "status": "not configured"}),
         "sessionStore": {"kind": ("redis" if store_url.startswith(("redis", "unix")) else
                                   (store_url.split(":")[0] or type(store).__name__)),
-                         "url": _redact(store_url),
+                         "url": redact_url(store_url),
                          "role": "prompt, committed tokens, parameters, RNG step and cache positions per session"},
     }
-    return {
+    outline = {
         "system": "specdec: disaggregated speculative decoding (draft and target as separate gRPC services)",
         "draftStrategy": _draft_strategy(servicer, view),
         "verification": _verification(servicer),
@@ -429,3 +446,4 @@ def build_outline(servicer) -> dict:
         "models": models,
         "generatedAt": round(time.time(), 3),
     }
+    return outline if show_addresses else redact_addresses(outline, _internal_addresses(servicer))

@@ -23,6 +23,7 @@ from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailabl
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
 from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
+from specdec.core.security import is_loopback, read_secret, read_tokens, require_authentication, url_with_password
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -56,7 +57,8 @@ def check_compatible(target_info, draft_info) -> None:
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, target: TargetClient, pool: DraftPool | None, store, tokenizer, target_info,
                  cfg: LoopConfig, max_new_tokens_limit: int = 2048, max_prompt_tokens: int | None = None,
-                 max_stop_strings: int = 16, max_active_sessions: int = 64, auth_tokens: list[str] = ()):
+                 max_stop_strings: int = 16, max_active_sessions: int = 64, auth_tokens: list[str] = (),
+                 admin_tokens: list[str] = ()):
         self.target = target
         self.pool = pool
         self.store = store
@@ -78,7 +80,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
-        self.principals = {principal_of(t): t for t in auth_tokens}
+        # Admin tokens authenticate too; only they see internal addresses in GetOutline.
+        self.principals = {principal_of(t): t for t in [*auth_tokens, *admin_tokens]}
+        self.admins = {principal_of(t) for t in admin_tokens}
         self._active: dict[str, threading.Event] = {}
         self._active_lock = threading.Lock()
         # Session leases (single writer across orchestrator processes): this process's streams and their tokens,
@@ -316,8 +320,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         from orchestrator.outline import build_outline
 
+        principal = self._principal(context)
+        # Without auth (loopback or --insecure) every caller is the operator; with it, only admins see addresses.
+        admin = not self.principals or principal in self.admins
         msg = opb.Outline(outline=struct_pb2.Struct())
-        msg.outline.update(build_outline(self))
+        msg.outline.update(build_outline(self, show_addresses=admin))
         return msg
 
     def _load(self, session_id: str, principal: str) -> SessionRecord:
@@ -340,7 +347,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
                    auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
                    breaker_failures: int = 2, local_datastore: str = "auto",
-                   session_lease_s: float = 5.0, resolve_interval_s: float = 5.0) -> OrchestratorServicer:
+                   session_lease_s: float = 5.0, resolve_interval_s: float = 5.0,
+                   admin_tokens: list[str] = ()) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
@@ -374,14 +382,18 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                 if cfg.tree_budget and not replica.info.drafts_trees:
                     log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
                                 "chains", extra={"replica": replica.address, "model": replica.info.model_name})
-    store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
+    try:
+        store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
+    except ValueError as e:  # orchestrator/store_client.py's StoreUrlError: a malformed --redis URL
+        raise StartupError(f"--redis: {e}") from None
     try:
         store.ping()
     except StoreUnavailable as e:
         log.warning("session store unreachable at start-up; new sessions fail until it is back",
                     extra={"error": str(e)})
     return OrchestratorServicer(target, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
-                                max_active_sessions=max_active_sessions, auth_tokens=auth_tokens)
+                                max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
+                                admin_tokens=admin_tokens)
 
 
 def build_server(servicer: OrchestratorServicer, address: str, max_workers: int = 32, tls=None) -> ServiceServer:
@@ -404,7 +416,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-datastore", default="auto",
                    help="n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` "
                         "built one), none, or a path")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="session store URL, or 'memory'")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0",
+                   help="session store URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER "
+                        "(failover; commits wait for the replicas), or 'memory'")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the target's model)")
     p.add_argument("--draft-len", type=int, default=4, help="default draft length")
     p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
@@ -457,6 +471,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
     p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
                    help="file with one bearer token per line; when set, the public API requires one")
+    p.add_argument("--admin-tokens-file", default=os.environ.get("SPECDEC_ADMIN_TOKENS_FILE"),
+                   help="bearer tokens (one per line) that also see internal addresses in GetOutline")
+    p.add_argument("--redis-password-file", default=os.environ.get("SPECDEC_REDIS_PASSWORD_FILE"),
+                   help="the session store's password, read from this file (never from the command line)")
     cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
@@ -482,9 +500,22 @@ def serve(args: argparse.Namespace) -> None:
                 raise SystemExit(f"--draft: {e}") from None
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
+    tokens, admin_tokens = read_tokens(args.auth_tokens_file), read_tokens(args.admin_tokens_file)
+    if (args.auth_tokens_file or args.admin_tokens_file) and not (tokens or admin_tokens):
+        raise StartupError(f"no bearer tokens in {args.auth_tokens_file or args.admin_tokens_file}")
+    mtls_public = bool(args.tls_cert and args.tls_key and args.tls_ca) and not args.tls_public_no_client_cert
+    require_authentication(args.listen, bool(tokens or admin_tokens) or mtls_public, args.insecure,
+                           "give --auth-tokens-file (bearer tokens) or mutual TLS on the public port")
+    store_url = args.redis
+    if args.redis_password_file:
+        if "://" not in store_url or store_url.startswith("memory"):
+            raise StartupError(f"--redis-password-file needs a redis:// store URL, not {store_url!r}")
+        store_url = url_with_password(store_url, read_secret(args.redis_password_file, "the Redis password"))
     cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     cpu_affinity.log_pinning(log, cpus, 1)
+    if (tokens or admin_tokens) and not args.tls_cert and not is_loopback(args.listen):
+        log.warning("bearer tokens over plaintext: give the public port TLS (--tls-cert/--tls-key)")
     configure_tls(tls_from_args(args))  # channels to draft and target
     cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
                      adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
@@ -499,16 +530,13 @@ def serve(args: argparse.Namespace) -> None:
                      fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)
-    tokens = []
-    if args.auth_tokens_file:
-        with open(args.auth_tokens_file) as f:
-            tokens = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    servicer = build_servicer(args.target, args.draft, args.redis, args.tokenizer, cfg, args.max_new_tokens_limit,
+    servicer = build_servicer(args.target, args.draft, store_url, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, startup_timeout_s=args.startup_timeout_s,
                               max_active_sessions=args.max_sessions, auth_tokens=tokens,
                               breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
                               local_datastore=args.local_datastore, session_lease_s=args.session_lease_s,
-                              resolve_interval_s=args.resolve_interval_s)
+                              resolve_interval_s=args.resolve_interval_s,
+                              admin_tokens=admin_tokens)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     telemetry.ready(server.address)

@@ -99,6 +99,15 @@ local cancel = redis.call('HGET', KEYS[1], 'cancel_requested')
 if cancel then redis.call('HDEL', KEYS[1], 'cancel_requested') end
 return {1, cancel or ''}
 """
+# KEYS: meta, gen. ARGV: packed generated tokens, key ttl s, then the hash's field/value pairs. One script, so a
+# new session is stored whole or not at all.
+_CREATE_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
 # KEYS: lease. ARGV: token, ttl ms. 1: renewed (or taken back after expiry), 0: another token holds it.
 _RENEW_LUA = """
 local holder = redis.call('GET', KEYS[1])
@@ -114,15 +123,15 @@ return 0
 
 class RedisSessionStore:
     def __init__(self, url: str, ttl_s: int = 3600, socket_timeout_s: float = 2.0, lease_ttl_s: float = 5.0):
-        import redis
+        from orchestrator.store_client import connect
+        from specdec.core.security import redact_url
 
-        self.url = url
+        self.url = redact_url(url)  # errors and the outline show this; only the client below sees the password
         self.ttl_s = ttl_s
         self.lease_ttl_s = lease_ttl_s
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-            health_check_interval=30,
-        )
+        connection = connect(url, socket_timeout_s)  # redis:// or redis+sentinel:// (orchestrator/store_client.py)
+        self.client, self.replicas = connection.client, connection.replicas
+        self._create_script = self.client.register_script(_CREATE_LUA)
         self._commit_script = self.client.register_script(_COMMIT_LUA)
         self._renew_script = self.client.register_script(_RENEW_LUA)
         self._release_script = self.client.register_script(_RELEASE_LUA)
@@ -145,6 +154,31 @@ class RedisSessionStore:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise StoreUnavailable(f"session store at {self.url} is unavailable: {e}") from e
+        except redis.ResponseError as e:
+            # READONLY (also from inside a script): this server was demoted by a failover. An outage the grace
+            # period waits out; new connections ask the sentinels for the promoted master.
+            if "READONLY" not in str(e):
+                raise
+            self.client.connection_pool.disconnect()
+            raise StoreUnavailable(f"session store at {self.url} is read-only (failing over?): {e}") from e
+
+    def _write(self, queue):
+        """Run the writes queue(pipe) adds, on one connection; then WAIT for the replicas (store_client.py) on
+        that same connection, so a write acknowledged here survives a failover. A WAIT that comes back short
+        (ReplicaWait.short) is an outage: the caller retries the (idempotent) write."""
+        def _do():
+            pipe = self.client.pipeline(transaction=False)
+            queue(pipe)
+            want = self.replicas.expected()
+            if want:
+                pipe.execute_command("WAIT", want, self.replicas.timeout_ms)
+            out = pipe.execute()
+            if want and out[-1] < want and self.replicas.short(out[-1]):
+                raise StoreUnavailable(f"session store at {self.url}: a write reached {out[-1]} of {want} "
+                                       "replicas in time")
+            return out[:-1] if want else out
+
+        return self._run(_do)
 
     @telemetry.traced("redis.ping", telemetry.REDIS)
     def ping(self) -> bool:
@@ -154,16 +188,9 @@ class RedisSessionStore:
     def create(self, rec: SessionRecord) -> None:
         meta, gen = self._keys(rec.session_id)
 
-        def _do():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hset(meta, mapping={"prompt": pack_tokens(rec.prompt_ids), "params": json.dumps(rec.params),
-                                     **rec.state_fields()})
-            pipe.set(gen, pack_tokens(rec.generated))
-            pipe.expire(meta, self.ttl_s)
-            pipe.expire(gen, self.ttl_s)
-            pipe.execute()
-
-        self._run(_do)
+        fields = {"prompt": pack_tokens(rec.prompt_ids), "params": json.dumps(rec.params), **rec.state_fields()}
+        args = [pack_tokens(rec.generated), self.ttl_s, *(x for kv in fields.items() for x in kv)]
+        self._write(lambda pipe: self._create_script(keys=[meta, gen], args=args, client=pipe))
 
     @telemetry.traced("redis.commit", telemetry.REDIS)
     def commit(self, rec: SessionRecord, new_tokens: list[int], lease: str = "") -> bool:
@@ -176,8 +203,8 @@ class RedisSessionStore:
         offset = 4 * (len(rec.generated) - len(new_tokens)) if new_tokens else -1
         fields = [x for kv in rec.state_fields().items() for x in kv]
         args = [lease, self.lease_ttl_ms, offset, pack_tokens(new_tokens), self.ttl_s, *fields]
-        ok, extra = self._run(lambda: self._commit_script(keys=[meta, gen, self._lease_key(rec.session_id)],
-                                                          args=args))
+        (ok, extra), = self._write(lambda pipe: self._commit_script(
+            keys=[meta, gen, self._lease_key(rec.session_id)], args=args, client=pipe))
         if not ok:
             raise LeaseLost(rec.session_id, extra.decode(errors="replace"))
         return bool(extra)

@@ -179,6 +179,9 @@ def serve(args: argparse.Namespace) -> None:
 
     if not 0.0 <= args.batch_wait_fraction <= 1.0:
         raise SystemExit(f"--batch-wait-fraction must be between 0 and 1, got {args.batch_wait_fraction}")
+    from specdec.core.security import require_mtls
+
+    require_mtls(args)  # before loading anything: an unauthenticated non-loopback listener is refused
     cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-target", metrics_port=args.metrics_port)
     cpu_affinity.log_pinning(log, cpus, args.threads)

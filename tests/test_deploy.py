@@ -162,6 +162,14 @@ def parse_specdec(argv: list[str]) -> argparse.Namespace:
         ns = p.parse_args(argv[2:])
         ns.command = "distill"
         return ns
+    if argv[1:2] == ["certs"]:
+        from specdec.core.security import add_certs_arguments
+
+        p = _Parser(prog="specdec certs")
+        add_certs_arguments(p)
+        ns = p.parse_args(argv[2:])
+        ns.command = "certs"
+        return ns
     return serve_parser().parse_args(argv[1:])
 
 

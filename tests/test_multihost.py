@@ -23,6 +23,8 @@ The delay is `tc qdisc ... netem delay Xms` on the draft's veth. Where the kerne
 draft -> rest byte stream by X ms instead (same direction, same constant one-way delay); the results
 say which was used ("delay_method").
 
+The services run with --insecure: the namespaces' private subnet is the trusted network (no TLS, no tokens).
+
 Needs root with `ip` and `tc`; otherwise the test is skipped and says why.
 """
 
@@ -316,7 +318,8 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
             listen = f"{net.ip('draft')}:{PORTS['draft']}"
         started.append(Proc("draft", net.ns["draft"],
                             [py, "-m", "launcher.cli", "serve", "draft", "--strategy", "model", "--model", DRAFT,
-                             "--listen", listen, "--device", "cpu", "--dtype", "float32", "--threads", "1"],
+                             "--listen", listen, "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                             "--insecure"],
                             logs, "SPECDEC_READY"))
         procs.extend(started)
         return started
@@ -330,7 +333,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
         target = Proc("target", net.ns["target"],
                       [py, "-m", "launcher.cli", "serve", "target", "--model", TARGET,
                        "--listen", f"{net.ip('target')}:{PORTS['target']}", "--device", "cpu", "--dtype", "float32",
-                       "--threads", "1"], logs, "SPECDEC_READY")
+                       "--threads", "1", "--insecure"], logs, "SPECDEC_READY")
         procs.append(target)
         draft_host = start_draft_host()
         agent = Agent(net.ns["orch"], logs)
@@ -344,7 +347,7 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
                      "--listen", f"{net.ip('orch')}:{PORTS['orch']}",
                      "--target", f"{net.ip('target')}:{PORTS['target']}",
                      "--draft", f"{net.ip('draft')}:{PORTS['draft']}",
-                     "--redis", redis_url, "--draft-len", "4"], logs, "SPECDEC_READY")
+                     "--redis", redis_url, "--draft-len", "4", "--insecure"], logs, "SPECDEC_READY")
         procs.append(orch)
         orch.wait_ready(120)
         address = f"{net.ip('orch')}:{PORTS['orch']}"

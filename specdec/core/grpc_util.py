@@ -106,6 +106,14 @@ def add_tls_arguments(p) -> None:
     p.add_argument("--tls-key", default=os.environ.get("SPECDEC_TLS_KEY"), help="PEM private key")
     p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
                    help="PEM CA: verify peers with it; servers then require client certificates (mTLS)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve without authentication on a non-loopback --listen address (trusted networks only)")
+
+
+def client_tls_from_env() -> TlsConfig | None:
+    """A client's TLS from SPECDEC_TLS_CA (and SPECDEC_TLS_CERT/KEY for mutual TLS); None when unset."""
+    ca, cert, key = (os.environ.get(f"SPECDEC_TLS_{n}") or None for n in ("CA", "CERT", "KEY"))
+    return TlsConfig(cert, key, ca) if (ca or cert) else None
 
 
 def tls_from_args(args, require_client_cert: bool = True) -> TlsConfig | None:

@@ -9,6 +9,8 @@ import socket
 class StartupError(RuntimeError):
     """A service cannot start as configured; its message says why and what to change (no traceback needed)."""
 
+    exit_code = 1
+
 
 class ListenError(StartupError):
     """A server could not listen where it was told to (the port is taken, the address is not this host's)."""

@@ -27,7 +27,7 @@ def setup(service_name: str, level: str | None = None, metrics_port: int | str |
           configure_logging: bool = True) -> None:
     """JSON logs on stderr; SDK trace and meter providers (OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT
     is set); a Prometheus /metrics endpoint when ``metrics_port`` or env SPECDEC_METRICS_PORT is given
-    (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 0.0.0.0)."""
+    (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 127.0.0.1)."""
     logs.configure(service_name, level, configure_logging)
     ensure_providers(service_name)
     if metrics_port is None:
@@ -153,6 +153,11 @@ def add_span_processor(processor) -> None:
     tracer_provider().add_span_processor(processor)
 
 
+def metrics_host() -> str:
+    """Where /metrics listens unless told: loopback, since the endpoint has no authentication."""
+    return os.environ.get("SPECDEC_METRICS_HOST", "127.0.0.1")
+
+
 def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
     """Serve Prometheus text format at http://HOST:PORT/metrics; returns the bound port (0 = any free one).
     A second call returns the running server's port."""
@@ -166,7 +171,7 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         spec = str(port)
         if ":" in spec:
             host, spec = spec.rsplit(":", 1)
-        host = host or os.environ.get("SPECDEC_METRICS_HOST", "0.0.0.0")
+        host = host or metrics_host()
         from prometheus_client import start_http_server
 
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import threading
 import time
 from typing import Callable
@@ -22,9 +23,23 @@ from specdec.observability.metrics import _OUTPUT, _gen_ai_attrs, _instrument, _
 _tracer = trace.get_tracer("specdec")  # a proxy until a provider is set; cheap to keep
 
 
+@functools.lru_cache(maxsize=4096)
+def session_hash(session_id: str) -> str:
+    """What spans carry instead of a session id (the id is a bearer capability: whoever has it may resume the
+    session). Find a session's traces by searching session_id=session_hash(id)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
+
+
+def _attributes(attributes: dict) -> dict:
+    out = {k: v for k, v in attributes.items() if v is not None}
+    if out.get("session_id"):
+        out["session_id"] = session_hash(out["session_id"])
+    return out
+
+
 @contextlib.contextmanager
 def span(name: str, **attributes):
-    with _tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items() if v is not None}) as s:
+    with _tracer.start_as_current_span(name, attributes=_attributes(attributes)) as s:
         yield s
 
 
@@ -36,7 +51,7 @@ def call_attributes(**attributes):
     """Attributes for the CLIENT spans of the calls made inside this block (gRPC calls and ``traced`` store
     calls): the orchestrator's step (session_id, k, ...) goes on the call's own span instead of an INTERNAL step
     span wrapping a single call. Not metric attributes (a session id would make unbounded series)."""
-    token = _call_attrs.set({k: v for k, v in attributes.items() if v is not None})
+    token = _call_attrs.set(_attributes(attributes))
     try:
         yield
     finally:
@@ -48,7 +63,7 @@ def annotate(**attributes):
     annotates its call's span rather than opening a child span that would only repeat it: every span costs the
     critical path of a speculative step tens of microseconds per process."""
     s = trace.get_current_span()
-    s.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    s.set_attributes(_attributes(attributes))
     return s
 
 

@@ -322,9 +322,10 @@ def fetch_outline(address: str, timeout: float = 5.0, token: str | None = None) 
     from google.protobuf.json_format import MessageToDict
 
     from specdec.client import SpecdecClient
+    from specdec.core.grpc_util import client_tls_from_env
     from specdec.v1 import orchestrator_pb2 as opb
 
-    with SpecdecClient(address, token=token) as client:
+    with SpecdecClient(address, token=token, tls=client_tls_from_env()) as client:
         reply = client.stub.GetOutline(opb.GetOutlineRequest(), timeout=timeout, metadata=client.metadata)
     return _ints(MessageToDict(reply.outline))
 
