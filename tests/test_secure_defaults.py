@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from specdec import security
+from specdec.core import security
 from specdec.core import grpc_util
 from specdec import observability as telemetry
 from specdec.client import SpecdecClient
