@@ -412,3 +412,35 @@ def test_the_readme_snippet_runs_against_a_server(stack):
     assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
     out = subprocess.run([sys.executable, "-c", local(python)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_specdec_up_serves_it_and_prints_its_url(tmp_path):
+    """`specdec up --http-port 0`: the JSON line names the HTTP API ("http"), which answers for the target."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", "0", "--http-port", "0",
+                             "--metrics-base-port", "0", "--target-model", TARGET, "--draft-strategy", "ngram",
+                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = json.loads(proc.stdout.readline())
+        url = line["http"]
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and not url.endswith(":0")
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(model=TARGET, prompt=PROMPT_IDS, max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens >= 1 and out.model_extra["specdec"]["session_id"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+
+
+
+def test_run_serves_no_http_api_and_up_defaults_to_8000():
+    from specdec import cli
+    from specdec.stack import StackConfig
+
+    assert StackConfig().http_port is None  # `specdec run` and library stacks: unchanged, no HTTP API
+    assert cli.build_parser().parse_args(["up"]).http_port == 8000
