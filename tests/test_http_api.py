@@ -444,3 +444,16 @@ def test_run_serves_no_http_api_and_up_defaults_to_8000():
 
     assert StackConfig().http_port is None  # `specdec run` and library stacks: unchanged, no HTTP API
     assert cli.build_parser().parse_args(["up"]).http_port == 8000
+
+
+def test_the_benchmark_compares_http_with_grpc_on_the_same_requests(stack):
+    from bench.http_bench import markdown_lines, measure
+
+    jobs = [("a", PROMPT_IDS), ("b", [2, 7, 9, 11])]
+    res = measure(stack.orchestrator_server.address, stack.http.url, jobs, max_new=12, rounds=1, draft_len=3,
+                  warmup_tokens=2)
+    assert res["same_tokens"] and res["grpc"]["requests"] == res["http"]["requests"] == 2
+    assert res["http_grpc_ratio"] == pytest.approx(res["http"]["tokens_per_s"] / res["grpc"]["tokens_per_s"])
+    assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0
+    res["config"] = "orch"
+    assert any("HTTP / gRPC tokens/s" in line for line in markdown_lines({"http": res}))
