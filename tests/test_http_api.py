@@ -457,3 +457,32 @@ def test_the_benchmark_compares_http_with_grpc_on_the_same_requests(stack):
     assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0
     res["config"] = "orch"
     assert any("HTTP / gRPC tokens/s" in line for line in markdown_lines({"http": res}))
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(stack):
+    """The client gives up (its timeout) while the whole completion is still being generated: cancelled, freed."""
+    before = set(stack.servicer._active)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(stack.http.url + "/v1/completions", json={
+            "model": TARGET, "prompt": PROMPT_IDS, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "speculation": False}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not (set(stack.servicer._active) - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sid, = set(stack.servicer._active) - before
+    info = wait_finished(stack, sid)
+    assert info.status == "cancelled" and len(info.generated_token_ids) < 500
+
+
+def test_resuming_a_session_that_is_streaming_is_409(stack, client):
+    stream = client.completions.create(model=TARGET, prompt=PROMPT_IDS, max_tokens=400, temperature=0, stream=True,
+                                       extra_body=GREEDY)
+    sid = next(iter(stream)).model_extra["specdec"]["session_id"]
+    try:
+        with pytest.raises(openai.ConflictError, match="already streaming"):
+            client.post(f"/sessions/{sid}/resume", body={"resume_from": 0, "stream": False}, cast_to=object)
+        cancelled = client.delete(f"/sessions/{sid}", cast_to=object)
+        assert cancelled == {"id": sid, "object": "session", "cancelled": True}
+        assert wait_finished(stack, sid).status == "cancelled"
+    finally:
+        stream.close()
