@@ -392,26 +392,33 @@ def test_unknown_routes_answer_in_openai_shape(stack):
 
 # -- the documented examples ------------------------------------------------------------------------------------
 
-def _doc_blocks(lang: str) -> list[str]:
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "http.md").read_text()
-    return re.findall(rf"<!-- readme -->\n```{lang}\n(.*?)```", doc, re.S)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_readme_snippet_runs_against_a_server(stack):
-    """docs/http.md's README snippet (curl and the openai client), pointed at this test's server and model."""
-    curl, = _doc_blocks("sh")
-    python, = _doc_blocks("python")
+def _doc_blocks(path: Path, lang: str) -> list[str]:
+    return re.findall(rf"<!-- readme -->\n```{lang}\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("doc", ["docs/http.md", "README.md"])
+def test_the_readme_snippet_runs_against_a_server(stack, doc):
+    """The README snippet (curl and the openai client; its source is docs/http.md, the blocks marked
+    `<!-- readme -->`), pointed at this test's server and model."""
+    curls, pythons = _doc_blocks(ROOT / doc, "sh"), _doc_blocks(ROOT / doc, "python")
+    if doc == "docs/http.md":
+        assert len(curls) == len(pythons) == 1
     port = stack.http.url.rsplit(":", 1)[1]
 
     def local(text):
         return text.replace("localhost:8000", f"127.0.0.1:{port}").replace('"smollm2"', json.dumps(TARGET))
 
-    out = subprocess.run(["bash", "-c", local(curl)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    reply = json.loads(out.stdout)
-    assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
-    out = subprocess.run([sys.executable, "-c", local(python)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    for curl in curls:
+        out = subprocess.run(["bash", "-c", local(curl)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
+    for python in pythons:
+        out = subprocess.run([sys.executable, "-c", local(python)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
 
 
 def test_specdec_up_serves_it_and_prints_its_url(tmp_path):
