@@ -461,7 +461,7 @@ def test_the_benchmark_compares_http_with_grpc_on_the_same_requests(stack):
                   warmup_tokens=2)
     assert res["same_tokens"] and res["grpc"]["requests"] == res["http"]["requests"] == 2
     assert res["http_grpc_ratio"] == pytest.approx(res["http"]["tokens_per_s"] / res["grpc"]["tokens_per_s"])
-    assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0
+    assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0 and res["http_grpc_ratio_paired_median"] > 0
     res["config"] = "orch"
     assert any("HTTP / gRPC tokens/s" in line for line in markdown_lines({"http": res}))
 
