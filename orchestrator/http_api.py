@@ -279,11 +279,9 @@ def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name:
     req.speculation = {True: opb.SPECULATION_ON, "on": opb.SPECULATION_ON, False: opb.SPECULATION_OFF,
                        "off": opb.SPECULATION_OFF}.get(speculation, opb.SPECULATION_DEFAULT)
 
-    max_tokens = body.get("max_completion_tokens") if body.get("max_completion_tokens") is not None \
-        else body.get("max_tokens")
+    # max_completion_tokens is chat's newer name for max_tokens; it wins when both are given.
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if max_tokens is not None:
-        max_tokens = _number({key: max_tokens}, key, 0, 1, 2**32 - 1, integer=True)
+    max_tokens = _number(body, key, None, 1, 2**32 - 1, integer=True)
     if chat:
         if servicer.tokenizer is None:
             raise _bad("this orchestrator has no tokenizer: use /v1/completions with token ids", "messages")
