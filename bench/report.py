@@ -210,6 +210,9 @@ def markdown(res: dict) -> str:
               "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`, in brackets the part the steps waited for "
               "(`store_ms - store_overlapped_ms`, the critical path's: a block is committed while the next step "
               "runs); the share divides gRPC + that Redis part by the target step above.", ""]
+    from bench.http_bench import markdown_lines
+
+    lines += markdown_lines(res)
     return "\n".join(lines)
 
 

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     from tqdm import tqdm
 
+    from bench import http_bench
     from bench.services import BenchServices, available_flags
     from specdec.client import SpecdecClient
     from specdec.ops.cpu_affinity import describe as describe_cpu_plan
@@ -225,6 +226,8 @@ def run(args: argparse.Namespace) -> dict:
                     progress.update(1)
 
         phase("single_session_configs")
+        http = http_bench.run_in_bench(services, cfgs, [(p.name, ids[p.name]) for p in prompts], args, not_measured)
+        phase("http_vs_grpc")
         pinned = describe_cpu_plan(services.cpu_plan)
         services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
         # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
@@ -290,6 +293,7 @@ def run(args: argparse.Namespace) -> dict:
         reference.setdefault(s.prompt, s.tokens)
     rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
+    res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
     res["machine"]["cpu_affinity"] = {
         "single-session configurations": pinned or "not pinned (the OS scheduler places the services)",
         "sessions sweeps": "not pinned, as `specdec up` (8 sessions ran 4-18% slower pinned)"}

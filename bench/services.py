@@ -141,7 +141,8 @@ class BenchServices:
     def add_orchestrators(self, specs: dict, timeout: float = 300.0) -> None:
         """Start orchestrators {name: (target process name, extra flags)} against the running services."""
         for name, (target, extra) in specs.items():
-            self._spawn(name, ["orchestrator", "--listen", "127.0.0.1:0", "--target", self.addresses[target],
+            self._spawn(name, ["orchestrator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+                               "--target", self.addresses[target],
                                "--draft", self.addresses["draft"], "--redis", self.redis.url,
                                *self.orchestrator_flags(extra)])
         for name in specs:

@@ -217,11 +217,12 @@ def cmd_up(args) -> int:
 
     cfg = _stack_config(args)
     cfg.orchestrator_port = args.port
+    cfg.http_port = args.http_port
     cfg.metrics_base_port = args.metrics_base_port
     stack = LocalStack(cfg, args.log_dir)
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
     _start(stack, "up")
-    print(json.dumps({"orchestrator": stack.address, "target": stack.target.address,
+    print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
                       "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
                       "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
                       "cpu_affinity": stack.cpu_affinity()}), flush=True)
@@ -344,6 +345,8 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis, target, draft and orchestrator on loopback until Ctrl-C")
     _stack_arguments(up)
     up.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free port)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the OpenAI-compatible HTTP API's port (docs/http.md; 0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
     up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")

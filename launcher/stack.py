@@ -27,12 +27,15 @@ class ServiceProcess:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
+        self.http_url: str | None = None  # an orchestrator's HTTP API, as it printed it
         self._ready = threading.Event()
 
     def start(self) -> "ServiceProcess":
         if self.address:  # a restart keeps the address, so clients and the orchestrator find it again
             i = self.args.index("--listen")
             self.args[i + 1] = self.address
+        if self.http_url and "--http-listen" in self.args:  # and the HTTP API's
+            self.args[self.args.index("--http-listen") + 1] = self.http_url.removeprefix("http://")
         self._ready.clear()
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", *self.args],
@@ -43,6 +46,8 @@ class ServiceProcess:
     def _watch(self, proc: subprocess.Popen) -> None:
         for line in iter(proc.stdout.readline, b""):
             text = line.decode(errors="replace").strip()
+            if text.startswith("SPECDEC_HTTP "):
+                self.http_url = text.split(" ", 1)[1]
             if text.startswith("SPECDEC_READY "):
                 self.address = text.split(" ", 1)[1]
                 self._ready.set()
@@ -137,6 +142,7 @@ class StackConfig:
     draft_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     orchestrator_port: int = 0
+    http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port; None = none)
     metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
     # auto: the target and each draft process on CPUs of their own where enough are allowed (cpu_affinity.py;
     # `specdec run`, the benchmark's single sessions); off: the scheduler places them (`specdec up`, tests).
@@ -251,6 +257,8 @@ class LocalStack:
 
         cfg = self.cfg
         wanted = [(cfg.host, cfg.orchestrator_port, "the orchestrator", "--port")] if cfg.orchestrator_port else []
+        if cfg.http_port:
+            wanted.append((cfg.host, cfg.http_port, "the HTTP API", "--http-port"))
         if cfg.metrics_base_port:
             from specdec.observability import metrics_host
 
@@ -330,13 +338,21 @@ class LocalStack:
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
                 "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._metrics(0),
+                "--http-listen", "" if self.cfg.http_port is None else f"{self.cfg.host}:{self.cfg.http_port}",
                 *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir)
         self.orchestrator.start()
         addr = self.orchestrator.wait_ready(timeout)
         # Restarts reuse the port so clients can reconnect to the same address.
         self.cfg.orchestrator_port = int(addr.rsplit(":", 1)[1])
+        if self.orchestrator.http_url:
+            self.cfg.http_port = int(self.orchestrator.http_url.rsplit(":", 1)[1])
         return addr
+
+    @property
+    def http_url(self) -> str | None:
+        """The orchestrator's OpenAI-compatible API (http://HOST:PORT; its routes are under /v1)."""
+        return self.orchestrator.http_url if self.orchestrator else None
 
     def stop(self) -> None:
         for p in [self.orchestrator, *self.drafts, self.target]:

@@ -19,6 +19,7 @@ from orchestrator.discovery import is_dns, parse_dns
 from orchestrator.draft_pool import DraftPool
 from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
                                      StepTimer, stats_message)
+from orchestrator.prompts import chat_prompt_ids
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
@@ -139,10 +140,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 raise self._bad("prompt is empty")
             if self.tokenizer is None:
                 raise self._bad("this orchestrator has no tokenizer; send token_ids")
-            if req.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": req.text}], add_generation_prompt=True, tokenize=True)
-                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            if req.apply_chat_template:
+                ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": req.text}])
             else:
                 ids = self.tokenizer.encode(req.text, add_special_tokens=True)
         elif which == "token_ids":
@@ -405,6 +404,9 @@ def build_server(servicer: OrchestratorServicer, address: str, max_workers: int 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50050")
+    p.add_argument("--http-listen", default="127.0.0.1:8000",
+                   help="the OpenAI-compatible HTTP API (docs/http.md) at HOST:PORT (port 0 = any free one; "
+                        "'' = no HTTP API)")
     p.add_argument("--target", default="127.0.0.1:50052", help="target service address")
     p.add_argument("--draft", default="127.0.0.1:50051",
                    help="draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
@@ -506,6 +508,9 @@ def serve(args: argparse.Namespace) -> None:
     mtls_public = bool(args.tls_cert and args.tls_key and args.tls_ca) and not args.tls_public_no_client_cert
     require_authentication(args.listen, bool(tokens or admin_tokens) or mtls_public, args.insecure,
                            "give --auth-tokens-file (bearer tokens) or mutual TLS on the public port")
+    if args.http_listen:  # the HTTP API authenticates by bearer token only
+        require_authentication(args.http_listen, bool(tokens or admin_tokens), args.insecure,
+                               "give --auth-tokens-file (bearer tokens) for the HTTP API")
     store_url = args.redis
     if args.redis_password_file:
         if "://" not in store_url or store_url.startswith("memory"):
@@ -530,6 +535,11 @@ def serve(args: argparse.Namespace) -> None:
                      fallback_chunk=args.fallback_chunk,
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)
+    http = None
+    if args.http_listen:
+        from orchestrator.http_api import HttpServer
+
+        http = HttpServer(args.http_listen)  # bound now: a taken port fails before the wait for the target
     servicer = build_servicer(args.target, args.draft, store_url, args.tokenizer, cfg, args.max_new_tokens_limit,
                               args.session_ttl_s, startup_timeout_s=args.startup_timeout_s,
                               max_active_sessions=args.max_sessions, auth_tokens=tokens,
@@ -539,5 +549,10 @@ def serve(args: argparse.Namespace) -> None:
                               admin_tokens=admin_tokens)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
+    if http is not None:
+        http.start(servicer)
+        print(f"SPECDEC_HTTP {http.url}", flush=True)  # before SPECDEC_READY: launchers read both
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)
+    if http is not None:
+        http.stop()

@@ -287,3 +287,12 @@ def test_every_client_thread_runs_at_least_the_asked_generations():
     assert [session_job_count(args, n, 4) for n in (1, 2, 4, 8)] == [4, 4, 8, 16]  # lcm(n, 4), >= 2 per thread
     args = parse_args(["--quick", "--session-gens-per-client", "1", "--session-jobs", "6"])
     assert [session_job_count(args, n, 4) for n in (1, 3, 8)] == [8, 12, 8]
+
+
+def test_the_http_api_is_measured_beside_grpc(bench_run):
+    res, out = bench_run
+    h = res["http"]
+    assert res["http_grpc_ratio"] == pytest.approx(h["http"]["tokens_per_s"] / h["grpc"]["tokens_per_s"])
+    assert h["same_tokens"] and h["grpc"]["requests"] == h["http"]["requests"] == 2
+    assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0
+    assert "## HTTP vs gRPC" in (out / "latest.md").read_text()

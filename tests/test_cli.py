@@ -248,6 +248,7 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
 
     model = "tiny:vocab=64,layers=1,hidden=32,seed=23"  # names this test's services among the machine's processes
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
+                             "--http-port", "0",
                              "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
                              "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

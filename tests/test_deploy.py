@@ -244,6 +244,14 @@ def test_compose_has_the_whole_deployment(compose):
         assert image and not image.endswith(":latest") and ":" in image, f"{name}: pin the image tag ({image!r})"
 
 
+def test_the_http_api_is_published_on_loopback_only(compose):
+    orchestrator = compose["services"]["orchestrator"]
+    http = [str(p) for p in orchestrator["ports"] if str(p).endswith(":8000")]
+    assert http == ["127.0.0.1:8000:8000"]
+    cmd = orchestrator["command"]
+    assert cmd[cmd.index("--http-listen") + 1] == "0.0.0.0:8000"  # inside the container; the host sees loopback
+
+
 def test_redis_persists_to_a_named_volume(compose):
     redis = compose["services"]["redis"]
     cmd = redis["command"]

@@ -25,7 +25,7 @@ from specdec.observability.metrics import (CollectedCounts, record_batch, record
                                            record_fallback, record_generated, record_verify, register_gauge,
                                            set_gen_ai_model)
 from specdec.observability.providers import (add_metrics_argument, add_span_processor, ensure_providers, force_flush,
-                                             metric_value, metrics_host, metrics_port, providers_installed, setup, snapshot,
+                                             metric_value, metrics_host, metrics_port, prometheus_registry, providers_installed, setup, snapshot,
                                              start_metrics_server, stop_metrics_server, tracer_provider)
 from specdec.observability.signals import ready, wait_for_signal
 from specdec.observability.tracing import (REDIS, STREAM_OBSERVERS, TracedChannel, annotate, call_attributes,
@@ -34,7 +34,7 @@ from specdec.observability.tracing import (REDIS, STREAM_OBSERVERS, TracedChanne
 __all__ = [
     "CollectedCounts", "JsonFormatter", "REDIS", "STREAM_OBSERVERS", "TracedChannel", "add_metrics_argument",
     "add_span_processor", "annotate", "call_attributes", "ensure_providers", "force_flush", "intercept_channel",
-    "metric_value", "metrics_host", "metrics_port", "providers_installed", "ready", "record_batch", "record_draft",
+    "metric_value", "metrics_host", "metrics_port", "prometheus_registry", "providers_installed", "ready", "record_batch", "record_draft",
     "record_draft_batch", "record_fallback", "record_generated", "record_verify", "register_gauge",
     "server_interceptor", "session_hash", "set_gen_ai_model", "setup", "snapshot", "span", "start_metrics_server",
     "stop_metrics_server", "tracer_provider", "traced", "wait_for_signal",

@@ -187,6 +187,12 @@ def start_metrics_server(port: int | str = 0, host: str | None = None) -> int:
         return bound
 
 
+def prometheus_registry():
+    """The registry the Prometheus endpoints serve (None without the exporter), e.g. for an HTTP API's /metrics."""
+    ensure_providers()
+    return _prom_registry
+
+
 def metrics_port() -> int | None:
     return _metrics_server[2] if _metrics_server else None
 
