@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     target, draft = load_pair(a.target, a.draft)
     base = LoopConfig(max_draft_len=64, draft_timeout_floor_ms=60000, draft_first_call_timeout_ms=60000,

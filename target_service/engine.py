@@ -14,6 +14,7 @@ from specdec import sampling, telemetry, wire
 from specdec.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
+from specdec.settings import MAX_DRAFT_LEN
 
 
 @dataclass
@@ -188,7 +189,7 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16,
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = MAX_DRAFT_LEN,
                  batch_window_ms: float = 0.0, max_batch: int = 16, batch_wait_fraction: float = 0.5):
         self.loaded = loaded
         self.store = store if store is not None else SessionCacheStore()
