@@ -130,8 +130,9 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
         for replica in pool.replicas:  # as orchestrator.server.connect does
             replica.info = replica.client.info()
             check_compatible(target_info, replica.info)
-    # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.
-    cfg = cfg or LoopConfig(default_draft_len=draft_len, draft_timeout_floor_ms=5000)
+    # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy. A fixed draft
+    # length: tests count steps.
+    cfg = cfg or LoopConfig(default_draft_len=draft_len, adaptive_draft_len=False, draft_timeout_floor_ms=5000)
     servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,
                                     cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs)
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()

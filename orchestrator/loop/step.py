@@ -17,6 +17,7 @@ from orchestrator.loop.handover import PromptHandover
 from orchestrator.loop.prefetch import Prefetcher
 from orchestrator.loop.state import LoopState
 from orchestrator.loop.target_call import TargetCall
+from orchestrator.loop.tree import TreeStrategy
 
 
 class Step:
@@ -33,15 +34,11 @@ class Step:
             cfg.adaptive_draft_len and not fixed and not cfg.tree_budget, cfg.draft_len_policy,
             measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
             measured.draft_cost)
-        self.tree = None
-        if cfg.tree_budget > 0:
-            from orchestrator.loop.tree import TreeStrategy
-
-            self.tree = TreeStrategy(state, self)
+        self.tree = TreeStrategy(state, self) if cfg.tree_budget > 0 else None
 
     def __call__(self, remaining: int) -> tuple[list[int], bool]:
         """(newly committed tokens before stop handling, whether the step ran degraded)."""
-        state, stats, fallback = self.state, self.state.stats, min(self.state.cfg.fallback_chunk, remaining)
+        stats, fallback = self.state.stats, min(self.state.cfg.fallback_chunk, remaining)
         if self.prefetch.resolve():  # the draft failed this step already: no second deadline before falling back
             return self.decode(fallback, degraded=True), True
         k = min(self.draft_len.k, remaining - 1)
