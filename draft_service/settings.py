@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.settings import MAX_DRAFT_LEN, setting
+from specdec.settings import DEVICE_HELP, DTYPE_HELP, MAX_DRAFT_LEN, setting
 
 DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (a 16-row prefill chunk and others' steps)
 
@@ -33,8 +33,8 @@ class DraftSettings:
         "for --vocab-from's target, if any), none, or a path")
     vocab_from: str | None = setting(None, "ngram: the target's model spec, for the tokenizer check")
     listen: str = setting("127.0.0.1:50051", "address to serve on")
-    device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    dtype: str = setting("auto", "auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16 or float16")
+    device: str = setting("auto", DEVICE_HELP)
+    dtype: str = setting("auto", DTYPE_HELP)
     prepack: str = setting(
         "auto", "fast CPU linear layers: native few-row GEMM, oneDNN-prepacked weights for larger batches "
         "(auto: on CPU)", choices=("auto", "on", "off"))

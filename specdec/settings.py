@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 MAX_DRAFT_LEN = 16  # the longest draft a service accepts unless told otherwise (each advertises its own: ModelInfo)
+DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"  # specdec.models.resolve_device
+DTYPE_HELP = "auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16 or float16"  # specdec.models.resolve_dtype
 
 _UNSET = object()
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.models import DEFAULT_TARGET
-from specdec.settings import MAX_DRAFT_LEN, setting
+from specdec.settings import DEVICE_HELP, DTYPE_HELP, MAX_DRAFT_LEN, setting
 
 
 @dataclass
 class TargetSettings:
     model: str = setting(DEFAULT_TARGET, "model spec: smollm2, tiny:..., a local path, a .gguf file or an HF id")
     listen: str = setting("127.0.0.1:50052", "address to serve on")
-    device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    dtype: str = setting("auto", "auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16 or float16")
+    device: str = setting("auto", DEVICE_HELP)
+    dtype: str = setting("auto", DTYPE_HELP)
     prepack: str = setting(
         "auto", "fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify "
         "block then costs little more than one decode step (auto: when torch has oneDNN)", choices=("auto", "on", "off"))

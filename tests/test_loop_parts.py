@@ -16,9 +16,9 @@ from specdec import wire
 
 
 def _dist(vocab: int, probs: dict[int, float]):
-    import numpy as np
+    import torch
 
-    row = np.zeros(vocab, dtype=np.float32)
+    row = torch.zeros(vocab, dtype=torch.float16)
     for t, p in probs.items():
         row[t] = p
     return wire.encode_distribution(row)
@@ -35,8 +35,12 @@ def test_one_check_refuses_every_kind_of_malformed_draft_reply():
     assert draft_reply_problem([1, 2], [good], [], **{**ok, "greedy": True}) is None  # greedy ignores them
     assert "scores" in draft_reply_problem([1, 2], [], [0.5], **ok)
     assert "scores" in draft_reply_problem([1, 2], [], [0.5, float("nan")], **ok)
-    broken = _dist(10, {1: 0.5})
-    broken.data = broken.data[:-1]  # a truncated distribution: what the target's own check refuses
+    import numpy as np
+
+    from specdec.v1 import common_pb2
+
+    # indices and values of different lengths: what the target's own check refuses
+    broken = common_pb2.Distribution(indices=[1, 2], values_fp16=np.float16([0.5]).astype("<f2").tobytes())
     with pytest.raises(ValueError):
         wire.decode_distribution(broken, 10)
     assert "malformed distribution" in draft_reply_problem([1, 2], [good, broken], [], **ok)

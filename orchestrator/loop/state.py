@@ -116,8 +116,9 @@ class LoopState:
         self.sampling = SamplingParams(p.temperature, p.top_k, p.top_p)
         self.seed = int(p.seed)
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else backends.eos_ids)
-        limits = [cfg.max_draft_len, backends.target_max_draft_len]
-        self.max_draft_len = min(x for x in limits if x > 0)  # what the target accepts and this server allows
+        # What this server allows and the target takes (0: the target does not say); a draft replica's own limit
+        # caps each call to it (draft_call.replica_limit).
+        self.max_draft_len = min(cfg.max_draft_len, backends.target_max_draft_len or cfg.max_draft_len)
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
         self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
 
