@@ -55,8 +55,9 @@ def check_compatible(target_info, draft_info) -> None:
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, target: TargetClient, pool: DraftPool | None, store, tokenizer, target_info,
-                 cfg: LoopConfig, max_new_tokens_limit: int = 2048, max_prompt_tokens: int | None = None,
-                 max_stop_strings: int = 16, max_active_sessions: int = 64, auth_tokens: list[str] = ()):
+                 cfg: LoopConfig, max_new_tokens_limit: int = ServerSettings.max_new_tokens_limit,
+                 max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
+                 max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = ()):
         self.target = target
         self.pool = pool
         self.store = store
@@ -334,12 +335,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return rec
 
 
+_S = ServerSettings  # the defaults below are the flags' (orchestrator/settings.py)
+
+
 def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_url: str,
-                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
-                   session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
-                   auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
-                   breaker_failures: int = 2, local_datastore: str = "auto",
-                   session_lease_s: float = 5.0) -> OrchestratorServicer:
+                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = _S.max_new_tokens_limit,
+                   session_ttl_s: int = _S.session_ttl_s, startup_timeout_s: float = _S.startup_timeout_s,
+                   max_active_sessions: int = _S.max_sessions, auth_tokens: list[str] = (),
+                   breaker_open_s: float = _S.breaker_open_s, breaker_failures: int = _S.breaker_failures,
+                   local_datastore: str = _S.local_datastore,
+                   session_lease_s: float = _S.session_lease_s) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
