@@ -69,8 +69,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_stop_strings = max_stop_strings
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
-        self.backends = Backends(target, pool, tokenizer, self.eos_ids, self.vocab_size, target_info.kv_fingerprint,
-                                 target_info.max_draft_len)
         self.measured = Measurements(
             window=AcceptanceWindow(), target_step=StepTimer(), active_sessions=self._active_count,
             target_cost=(TargetCost(list(target_info.forward_ms), target_info.max_batch, self._active_count)
@@ -107,6 +105,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def close(self) -> None:
         self._closed.set()
+
+    @property
+    def backends(self) -> Backends:
+        """What a generation calls, as configured now (a test may swap the pool)."""
+        info = self.target_info
+        return Backends(self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint,
+                        info.max_draft_len)
 
     def _active_count(self) -> int:
         return len(self._active)  # a racy read is fine for a load switch
