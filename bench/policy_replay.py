@@ -47,7 +47,7 @@ def positions(context: list[int], reply: list[int],
 
 def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int, forward_ms: list[float],
            fallback_chunk: int = 4) -> tuple[int, float, int, int]:
-    """Decode every reply as the orchestrator's step does (orchestrator/generation.py): k capped by the tokens
+    """Decode every reply as the orchestrator's step does (orchestrator/loop/step.py): k capped by the tokens
     left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft, one token; a
     scored draft is asked for at the policy's request_len and trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a

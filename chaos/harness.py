@@ -133,7 +133,8 @@ class ChaosHarness:
                 "--target-grace-s", str(o.target_grace_s), "--store-grace-s", str(o.store_grace_s),
                 "--fallback-chunk", str(o.fallback_chunk)]
         cfg = StackConfig(target_model=o.target_model, draft_strategy=o.draft_strategy, draft_model=o.draft_model,
-                          draft_replicas=o.draft_replicas, draft_len=o.draft_len, store="redis", threads=o.threads,
+                          draft_replicas=o.draft_replicas, draft_len=o.draft_len, adaptive_draft_len=False,
+                          store="redis", threads=o.threads,
                           device=o.device, dtype=o.dtype, orchestrator_args=orch,
                           draft_args=["--inject-latency-ms", str(o.slow_latency_ms)])
         self.stack = LocalStack(cfg, o.log_dir).start(timeout=300)
@@ -313,7 +314,7 @@ class ChaosHarness:
         self.baseline["stall_bound_ms"] = self.stall_bound(target_step_ms)["bound_ms"]
 
     def draft_deadline_ms(self, target_step_ms: float) -> float:
-        """The longest draft deadline the orchestrator gives a call here (Generation._draft_timeout_s): max(floor,
+        """The longest draft deadline the orchestrator gives a call here (orchestrator/loop/draft_call.py: DraftCall.timeout_s): max(floor,
         factor x target step, k drafted tokens each capped at a step), and for a call that must prefill (failover,
         or a half-open replica probed again after failing over away from it) that budget scaled by
         (1 + context/128), or the budget plus factor x context x the prefill rate per token, a rate capped at a

@@ -11,20 +11,23 @@ import time
 import grpc
 
 from draft_service.proposers.base import Proposer
+from draft_service.settings import DEFAULT_BATCH_ROWS, DraftSettings
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
-from specdec.core import wire
+from specdec.core import settings, wire
 from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
+from specdec.core.settings import MAX_DRAFT_LEN
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, info: common_pb2.ModelInfo, max_draft_len: int = 16,
+    def __init__(self, proposer: Proposer, info: common_pb2.ModelInfo, max_draft_len: int = MAX_DRAFT_LEN,
                  inject_latency_ms: float = 0.0):
         self.proposer = proposer
         self.info = info
+        info.max_draft_len = max_draft_len  # advertised: the orchestrator asks for no more
         self.max_draft_len = max_draft_len
         # Fault injection for chaos tests: extra latency per Propose (toggled by SIGUSR1 in `serve`).
         self.inject_latency_ms = inject_latency_ms
@@ -113,9 +116,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @handle_errors
     def GetInfo(self, request, context):
         return self.info
-
-
-DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (a 16-row prefill chunk and others' steps)
 
 
 def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
@@ -219,9 +219,9 @@ def open_datastore(choice: str, target: str | None, fingerprint: str, vocab_size
 
 
 def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, max_workers: int = 8,
-                 inject_latency_ms: float = 0.0) -> ServiceServer:
+                 inject_latency_ms: float = 0.0, max_draft_len: int = MAX_DRAFT_LEN) -> ServiceServer:
     server = ServiceServer(address, max_workers=max_workers)
-    server.servicer = DraftServicer(proposer, info, inject_latency_ms=inject_latency_ms)
+    server.servicer = DraftServicer(proposer, info, max_draft_len, inject_latency_ms=inject_latency_ms)
     server.add(
         draft_pb2_grpc.add_DraftServiceServicer_to_server,
         server.servicer,
@@ -231,37 +231,8 @@ def build_server(proposer: Proposer, info: common_pb2.ModelInfo, address: str, m
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", choices=["model", "ngram", "hybrid", "quantized"], default="ngram",
-                   help="model: a small LM; ngram: prompt lookup; hybrid: prompt lookup, the model where it finds "
-                        "no match; quantized: --model (give the target's) with int8 weights")
-    p.add_argument("--model", default="smollm2-draft", help="draft model spec (strategy model or hybrid)")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="the model drafts only token ids below N (a smaller LM head: FR-Spec); 0 = the whole "
-                        "vocabulary. Exactness does not depend on it, only speed and acceptance")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="int8: int8-weight copy of --model (CPU; activations int16 where AVX-512 VNNI allows; the way to draft with the target's own weights: "
-                        "draft_service/int8_draft.py)")
-    p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
-                   help="int8 draft: concurrent sessions' draft steps share one forward of up to this many rows, a "
-                        "prompt is fed in chunks of half this size beside them (0: every session's step runs alone; "
-                        "draft_service/draft_batcher.py)")
-    p.add_argument("--hybrid-model-max-len", type=int, default=2,
-                   help="hybrid: the most tokens the model drafts per step (a weak draft pays only short)")
-    p.add_argument("--datastore", default="auto",
-                   help="ngram/hybrid: n-gram table of the target's own replies (`specdec datastore`): auto (the one "
-                        "built for --vocab-from's target, if any), none, or a path")
-    p.add_argument("--vocab-from", default=None, help="ngram: the target's model spec, for the tokenizer check")
-    p.add_argument("--listen", default="127.0.0.1:50051")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
-                   help="fast CPU linear layers: native few-row GEMM, oneDNN-prepacked weights for larger batches "
-                        "(auto: on CPU)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--max-sessions", type=int, default=64)
-    p.add_argument("--max-cache-mb", type=int, default=2048)
-    p.add_argument("--inject-latency-ms", type=float, default=0.0,
-                   help="fault injection: delay every Propose (SIGUSR1 toggles it on/off)")
+    """`specdec serve draft`'s flags: the fields of DraftSettings (draft_service/settings.py)."""
+    settings.add_arguments(p, DraftSettings)
     cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
@@ -281,7 +252,8 @@ def serve(args: argparse.Namespace) -> None:
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
                                     args.draft_vocab, args.datastore, args.quantize, args.batch_rows)
-    server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms).start()
+    server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms,
+                          max_draft_len=args.max_draft_len).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):
             server.servicer.latency_enabled = not server.servicer.latency_enabled

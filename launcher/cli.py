@@ -10,32 +10,37 @@ import time
 
 
 def _stack_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", default="smollm2", help="target model spec (default: embedded SmolLM2-135M-Instruct)")
+    from launcher.stack import StackConfig
+
+    p.add_argument("--target-model", default=StackConfig.target_model, help="target model spec (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
-                   default="auto",
+                   default=StackConfig.draft_strategy,
                    help="auto: the distilled draft if `specdec distill` cached one whose report predicts a speedup, else "
                         "n-gram prompt lookup; local-ngram: n-gram drafting inside the orchestrator (no draft process, "
                         "one round trip per step); quantized: the target's own weights in int8 as the draft model")
-    p.add_argument("--draft-model", default="smollm2-draft")
-    p.add_argument("--draft-replicas", type=int, default=1)
-    p.add_argument("--draft-len", type=int, default=4, help="draft length (the starting one when adaptive)")
-    p.add_argument("--adaptive-draft-len", action=argparse.BooleanOptionalAction, default=True,
-                   help="adapt the draft length per session from its acceptance (the deployment's default; "
-                        "--no-adaptive-draft-len keeps --draft-len fixed)")
+    p.add_argument("--draft-model", default=StackConfig.draft_model)
+    p.add_argument("--draft-replicas", type=int, default=StackConfig.draft_replicas)
+    p.add_argument("--draft-len", type=int, default=StackConfig.draft_len,
+                   help="draft length (the starting one when adaptive)")
+    p.add_argument("--adaptive-draft-len", action=argparse.BooleanOptionalAction,
+                   default=StackConfig.adaptive_draft_len,
+                   help="adapt the draft length per session from its acceptance (--no-adaptive-draft-len keeps "
+                        "--draft-len fixed)")
+    # run/up pipeline where it is measured to pay (the library's and the orchestrator's default is off)
     p.add_argument("--pipeline", choices=["off", "on", "auto"], default="auto",
                    help="draft block k+1 while the target verifies block k (auto: where measured to pay)")
     p.add_argument("--batch-window-ms", type=float,
                    help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
                         "0 for `run`'s one session)")
-    p.add_argument("--store", choices=["redis", "memory"], default="redis")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    p.add_argument("--store", choices=["redis", "memory"], default=StackConfig.store)
+    p.add_argument("--threads", type=int, default=StackConfig.threads, help="torch threads per model service")
     p.add_argument("--pin-cpus", choices=["auto", "off"],
                    help="auto: the target and each draft on CPUs of their own when enough are allowed (threads "
                         "each), so a pipelined step's two requests do not queue behind each other's compute; off: "
                         "the OS scheduler places them (default: auto for `run`'s one session, off for `up`, where "
                         "many sessions' gRPC work would share the pinned CPUs: specdec/ops/cpu_affinity.py)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=StackConfig.device)
+    p.add_argument("--dtype", default=StackConfig.dtype)
     p.add_argument("--log-dir", default=None)
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from draft_service.settings import DraftSettings
+from orchestrator.settings import LoopConfig
 from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
 from specdec.ops.redis_server import RedisServer
 
@@ -125,13 +127,13 @@ class StackConfig:
     draft_strategy: str = "auto"  # auto: for SmolLM2 on a CPU with the native kernel, its own int8 copy
     # (quantized), else the distilled draft model if it pays, else n-gram prompt lookup; local-ngram: the n-gram
     # drafter inside the orchestrator (no draft process)
-    draft_model: str = "smollm2-draft"
+    draft_model: str = DraftSettings.model
     draft_replicas: int = 1
-    draft_len: int = 4
-    # The library default keeps a fixed draft length and no pipelining (tests and chaos runs count steps);
-    # `specdec run/up` and deploy/docker-compose.yml turn both on, as measured best in bench/.
-    adaptive_draft_len: bool = False
-    pipeline: str = "off"  # off | on | auto
+    # The orchestrator's own defaults (orchestrator/settings.py). The library keeps pipelining off (tests and chaos
+    # runs count steps); `specdec run/up` and deploy/docker-compose.yml turn it on (auto), as measured best in bench/.
+    draft_len: int = LoopConfig.default_draft_len
+    adaptive_draft_len: bool = LoopConfig.adaptive_draft_len
+    pipeline: str = LoopConfig.pipeline  # off | on | auto
     batch_window_ms: float = 0.0  # target: batch concurrent sessions' steps within this window
     store: str = "redis"  # redis (a private redis-server) or memory
     threads: int = 1
@@ -243,7 +245,8 @@ class LocalStack:
     def _speculation(self) -> list[str]:
         if self.cfg.pipeline not in ("off", "on", "auto"):
             raise ValueError(f"pipeline must be off, on or auto, not {self.cfg.pipeline!r}")
-        return ["--pipeline", self.cfg.pipeline, *(["--adaptive-draft-len"] if self.cfg.adaptive_draft_len else [])]
+        return ["--pipeline", self.cfg.pipeline,
+                "--adaptive-draft-len" if self.cfg.adaptive_draft_len else "--no-adaptive-draft-len"]
 
     def _batching(self) -> list[str]:
         return ["--batch-window-ms", str(self.cfg.batch_window_ms)] if self.cfg.batch_window_ms > 0 else []

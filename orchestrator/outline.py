@@ -155,10 +155,6 @@ def _measured_latency_ms() -> dict:
     return out
 
 
-def _cfg(cfg, name: str, default):
-    return getattr(cfg, name, default)
-
-
 def _draft_view(servicer) -> dict:
     """Per-replica info and status, and the first known ModelInfo."""
     reps = []
@@ -211,10 +207,10 @@ def _draft_strategy(servicer, view: dict) -> dict:
         drafter = f"draft service ({status}); its kind is not known yet"
     if reps and not any(r["status"] == "reachable" for r in reps):
         drafter += f" [currently {status}: steps fall back to target-only decoding]"
-    default_k, max_k = _cfg(cfg, "default_draft_len", 4), _cfg(cfg, "max_draft_len", 16)
-    adaptive = bool(_cfg(cfg, "adaptive_draft_len", False))
-    goodput = adaptive and _cfg(cfg, "draft_len_policy", "heuristic") == "goodput" and \
-        getattr(servicer, "target_cost", None) is not None
+    default_k, max_k = cfg.default_draft_len, cfg.max_draft_len
+    adaptive = bool(cfg.adaptive_draft_len)
+    goodput = adaptive and cfg.draft_len_policy == "goodput" and \
+        servicer.measured.target_cost is not None
     if goodput:
         policy = (f"adaptive per session (goodput): each step drafts the k in 0..{max_k} that maximises expected "
                   "tokens per ms, (1 - a^(k+1)) / (1 - a) over the target's measured forward cost for k + 1 tokens "
@@ -233,10 +229,10 @@ def _draft_strategy(servicer, view: dict) -> dict:
         policy = f"fixed: k = the request's max_draft_len or the default {default_k}, at most {max_k}"
     policy += ("; never more than the tokens left minus one; a drafter may return fewer (a short n-gram "
                "continuation), and an empty draft makes that step one target-only token")
-    limit = int(_cfg(cfg, "speculation_max_sessions", 0) or 0)
+    limit = int(cfg.speculation_max_sessions or 0)
     if limit:
         policy += f"; target-only while more than {limit} sessions are generating (load switch)"
-    pipeline = _cfg(cfg, "pipeline", "off")
+    pipeline = cfg.pipeline
     pipelining = {"off": "off: draft, then verify", "on": "on: the next block is drafted while the target verifies",
                   "auto": "auto: the next block is drafted during verification when the measured full-block rate "
                           "x Propose round trip beats the minimum gain"}.get(pipeline, pipeline)
@@ -290,7 +286,7 @@ def _verification(servicer) -> dict:
 
 
 def _acceptance(servicer) -> dict:
-    snap = servicer.window.snapshot()
+    snap = servicer.measured.window.snapshot()
     rate = snap.get("acceptance_rate")
     out = {
         "value": round(rate, 4) if rate is not None else None,
@@ -317,7 +313,7 @@ def _failure_mode(servicer, view: dict) -> dict:
         breaker = getattr(pool.replicas[0], "breaker", None)
     open_s = getattr(breaker, "base_open_s", None)
     max_open_s = getattr(breaker, "max_open_s", None)
-    chunk = _cfg(cfg, "fallback_chunk", 4)
+    chunk = cfg.fallback_chunk
     if open_s is not None:
         breaker_text = (f"that replica's circuit breaker opens for {open_s:g} s (doubling after a failed probe, up to "
                         f"{max_open_s:g} s; a passing health check every {getattr(pool, 'health_interval_s', 0.5):g} s "
@@ -329,20 +325,20 @@ def _failure_mode(servicer, view: dict) -> dict:
                          "session moves to its next healthy replica (which rebuilds its cache from the committed "
                          f"tokens) or, with none left, decodes target-only (one Decode of up to {chunk} tokens per "
                          "step) until a replica answers again. Output is unchanged; only speed drops"),
-        "draftDeadline": (f"max({_cfg(cfg, 'draft_timeout_floor_ms', 50.0):g} ms, "
-                          f"{_cfg(cfg, 'draft_timeout_factor', 2.0):g} x the larger of one measured target step and "
+        "draftDeadline": (f"max({cfg.draft_timeout_floor_ms:g} ms, "
+                          f"{cfg.draft_timeout_factor:g} x the larger of one measured target step and "
                           "k drafted tokens at the drafts' measured time per token, each capped at a target step); "
                           "a call that must first prefill the context (new session, failover) adds the context at "
                           "the drafts' measured prefill time per token (capped likewise), or x (1 + context/128) "
-                          f"until that is measured; {_cfg(cfg, 'draft_first_call_timeout_ms', 5000.0):g} ms before "
+                          f"until that is measured; {cfg.draft_first_call_timeout_ms:g} ms before "
                           "any target step has been measured"),
-        "targetFailure": (f"the target is required: a step waits up to {_cfg(cfg, 'target_grace_s', 15.0):g} s for an "
+        "targetFailure": (f"the target is required: a step waits up to {cfg.target_grace_s:g} s for an "
                           "unavailable target to come back, then ends the stream with UNAVAILABLE; committed tokens "
                           "are in the session store, so the client resumes with resume_session_id"),
         "cacheLoss": ("a service that lost a session's KV cache (eviction, restart, another replica) answers "
                       "cache-miss; the orchestrator resends the whole context once and continues"),
         "sessionStore": (f"each committed block is written to the session store (one atomic script, fenced by the session's lease) before the client "
-                         f"sees it; a step waits up to {_cfg(cfg, 'store_grace_s', 10.0):g} s for an unreachable store, "
+                         f"sees it; a step waits up to {cfg.store_grace_s:g} s for an unreachable store, "
                          "then fails with UNAVAILABLE, resumable later"),
         "draftStatus": _draft_status(view),
     }
@@ -382,7 +378,7 @@ def estimate_speedup(acceptance: dict, measured: dict, target_step_ms: float | N
 
 def _trade_off(servicer, acceptance: dict) -> dict:
     cfg = servicer.cfg
-    default_k = _cfg(cfg, "default_draft_len", 4)
+    default_k = cfg.default_draft_len
     out = {
         "summary": ("each speculative step spends one draft call (k small-model forwards, or a lookup for n-gram) "
                     "and one target forward over k+1 positions to commit 1..k+1 tokens; it is faster than "

@@ -17,12 +17,15 @@ from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.discovery import is_dns, parse_dns
 from orchestrator.draft_pool import DraftPool
-from orchestrator.generation import (AcceptanceWindow, Chunk, Generation, GenerationError, LoopConfig,
-                                     StepTimer, stats_message)
+from orchestrator.loop import (AcceptanceWindow, Backends, Generation, GenerationError, Measurements, StepTimer,
+                               StreamControl, stats_message)
 from orchestrator.prompts import chat_prompt_ids
+from orchestrator.records import GenerationParams
 from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
+from orchestrator.settings import LoopConfig, ServerSettings
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
+from specdec.core import settings
 from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
 from specdec.core.security import is_loopback, read_secret, read_tokens, require_authentication, url_with_password
 from specdec.v1 import orchestrator_pb2 as opb
@@ -57,8 +60,9 @@ def check_compatible(target_info, draft_info) -> None:
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, target: TargetClient, pool: DraftPool | None, store, tokenizer, target_info,
-                 cfg: LoopConfig, max_new_tokens_limit: int = 2048, max_prompt_tokens: int | None = None,
-                 max_stop_strings: int = 16, max_active_sessions: int = 64, auth_tokens: list[str] = (),
+                 cfg: LoopConfig, max_new_tokens_limit: int = ServerSettings.max_new_tokens_limit,
+                 max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
+                 max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
                  admin_tokens: list[str] = ()):
         self.target = target
         self.pool = pool
@@ -71,13 +75,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_stop_strings = max_stop_strings
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
-        self.window = AcceptanceWindow()
-        self.target_step = StepTimer()
-        self.target_cost = (TargetCost(list(target_info.forward_ms), target_info.max_batch, self._active_count)
-                            if len(target_info.forward_ms) >= 2 else None)
-        self.acceptance_prior = AcceptancePrior()
-        self.draft_evidence = DraftEvidence()  # what the drafters' token scores mean, learned across sessions
-        self.draft_cost = DraftCost()  # what drafting costs per call, token and prefilled token, across sessions
+        self.measured = Measurements(
+            window=AcceptanceWindow(), target_step=StepTimer(), active_sessions=self._active_count,
+            target_cost=(TargetCost(list(target_info.forward_ms), target_info.max_batch, self._active_count)
+                         if len(target_info.forward_ms) >= 2 else None),
+            acceptance_prior=AcceptancePrior(),
+            draft_evidence=DraftEvidence(),  # what the drafters' token scores mean, learned across sessions
+            draft_cost=DraftCost())  # what drafting costs per call, token and prefilled token, across sessions
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
@@ -109,6 +113,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def close(self) -> None:
         self._closed.set()
+
+    @property
+    def backends(self) -> Backends:
+        """What a generation calls, as configured now (a test may swap the pool)."""
+        info = self.target_info
+        return Backends(self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint,
+                        info.max_draft_len)
 
     def _active_count(self) -> int:
         return len(self._active)  # a racy read is fine for a load switch
@@ -160,10 +171,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                            f"prompt ({len(ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds the model's "
                            f"context of {self.target_info.max_context} tokens")
         speculation = req.speculation != opb.SPECULATION_OFF
-        params = dict(temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(top_p),
-                      seed=int(req.seed), max_new_tokens=int(req.max_new_tokens), stop=list(req.stop),
-                      stop_token_ids=list(req.stop_token_ids), speculation=speculation,
-                      max_draft_len=int(req.max_draft_len), ignore_eos=bool(req.ignore_eos))
+        params = GenerationParams(temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(top_p),
+                                  seed=int(req.seed), max_new_tokens=int(req.max_new_tokens), stop=list(req.stop),
+                                  stop_token_ids=list(req.stop_token_ids), speculation=speculation,
+                                  max_draft_len=int(req.max_draft_len), ignore_eos=bool(req.ignore_eos))
         return SessionRecord(session_id=secrets.token_urlsafe(18), prompt_ids=ids, params=params)
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -220,7 +231,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             rec = self._load(request.resume_session_id, principal)
         else:
             rec = self._new_record(request)
-            rec.params["owner"] = principal
+            rec.params.owner = principal
         sid = rec.session_id
         cancel = threading.Event()
         with self._active_lock:
@@ -248,10 +259,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context.add_callback(cancel.set)  # client cancelled or disconnected
             if not context.is_active():
                 cancel.set()  # it went away before the callback was registered (e.g. while waiting for the lease)
-            gen = Generation(rec, self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, self.cfg,
-                             cancel, self.window, self.target_step, self._active_count, self.target_cost,
-                             self.acceptance_prior, lease, self.draft_evidence, self.draft_cost,
-                             self.target_info.kv_fingerprint)
+            gen = Generation(rec, self.cfg, self.backends, self.measured, StreamControl(cancel, lease))
             with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
@@ -336,17 +344,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except StoreUnavailable as e:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         # Another principal's session answers exactly like a missing one: ids reveal nothing.
-        if rec is None or rec.params.get("owner", "") != principal:
+        if rec is None or rec.params.owner != principal:
             raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown session id {session_id!r}")
         return rec
 
 
+_S = ServerSettings  # the defaults below are the flags' (orchestrator/settings.py)
+
+
 def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_url: str,
-                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = 2048,
-                   session_ttl_s: int = 3600, startup_timeout_s: float = 60.0, max_active_sessions: int = 64,
-                   auth_tokens: list[str] = (), breaker_open_s: float = 1.0,
-                   breaker_failures: int = 2, local_datastore: str = "auto",
-                   session_lease_s: float = 5.0, resolve_interval_s: float = 5.0,
+                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = _S.max_new_tokens_limit,
+                   session_ttl_s: int = _S.session_ttl_s, startup_timeout_s: float = _S.startup_timeout_s,
+                   max_active_sessions: int = _S.max_sessions, auth_tokens: list[str] = (),
+                   breaker_open_s: float = _S.breaker_open_s, breaker_failures: int = _S.breaker_failures,
+                   local_datastore: str = _S.local_datastore,
+                   session_lease_s: float = _S.session_lease_s,
+                   resolve_interval_s: float = _S.resolve_interval_s,
                    admin_tokens: list[str] = ()) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
@@ -403,85 +416,12 @@ def build_server(servicer: OrchestratorServicer, address: str, max_workers: int 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:50050")
-    p.add_argument("--http-listen", default="127.0.0.1:8000",
-                   help="the OpenAI-compatible HTTP API (docs/http.md) at HOST:PORT (port 0 = any free one; "
-                        "'' = no HTTP API)")
-    p.add_argument("--target", default="127.0.0.1:50052", help="target service address")
-    p.add_argument("--draft", default="127.0.0.1:50051",
-                   help="draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
-                        "the n-gram drafter inside this process (no Propose round trip); 'dns:///NAME:PORT' is every "
-                        "address NAME resolves to, one replica each, re-resolved while running (--scale'd compose "
-                        "services, Kubernetes headless Services)")
-    p.add_argument("--resolve-interval-s", type=float, default=5.0,
-                   help="how often dns:/// draft addresses are resolved again (also soon after a replica fails)")
-    p.add_argument("--local-datastore", default="auto",
-                   help="n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` "
-                        "built one), none, or a path")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0",
-                   help="session store URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT]/MASTER "
-                        "(failover; commits wait for the replicas), or 'memory'")
-    p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the target's model)")
-    p.add_argument("--draft-len", type=int, default=4, help="default draft length")
-    p.add_argument("--max-draft-len", type=int, default=16, help="largest draft length a request may ask for")
-    p.add_argument("--adaptive-draft-len", action="store_true", help="adapt the draft length per session")
-    p.add_argument("--draft-len-policy", choices=["goodput", "heuristic"], default="goodput",
-                   help="with --adaptive-draft-len: goodput = the k that maximises expected tokens per ms from the "
-                        "session's acceptance and the measured target/draft costs (0 = target-only when no k pays; "
-                        "needs the target's forward profile, else heuristic); heuristic = transformers' +2/-1 schedule")
-    p.add_argument("--draft-min-confidence", type=float, default=0.0,
-                   help="the draft stops a block early when its top probability is below this (0 = never)")
-    p.add_argument("--pipeline", choices=["off", "on", "auto"], default="off",
-                   help="draft the next block while the target verifies (auto: when the measured saving, full-block "
-                        "rate x Propose round trip, beats --pipeline-min-gain-ms)")
-    p.add_argument("--pipeline-min-gain-ms", type=float, default=1.0,
-                   help="auto pipelining: the mean saving per step a prefetch must bring (about one RPC's cost)")
-    p.add_argument("--pipeline-max-sessions", type=int, default=2,
-                   help="auto pipelining: no prefetching while more than N sessions are generating; their drafting "
-                        "already fills the draft's time during each other's verifies, and a prefetch not accepted "
-                        "whole delays theirs (0 = no limit)")
-    p.add_argument("--draft-prefill", choices=["target-kv", "own"], default="target-kv",
-                   help="how a new session's draft gets the prompt when it is the target's own weights in int8 "
-                        "(equal kv fingerprints): target-kv = the target prefills and hands its KV over (a few MiB "
-                        "through this process per session); own = the draft prefills, in parallel with the target")
-    p.add_argument("--speculation-max-sessions", type=int, default=0,
-                   help="decode target-only while more than N sessions are generating: a busy batched target is "
-                        "compute-bound and verifying drafts costs more than it saves (0 = always speculate)")
-    p.add_argument("--tree-budget", type=int, default=0,
-                   help="tree speculation: the draft proposes a token tree of up to N nodes, verified in one "
-                        "target pass (0 = chain)")
-    p.add_argument("--tree-branch", type=int, default=0,
-                   help="tree speculation: children of an uncertain node (0 = the draft's default, 2)")
-    p.add_argument("--tree-branch-below", type=float, default=0.0,
-                   help="tree speculation: branch where the draft's top probability is below this (0 = default, 0.75)")
-    p.add_argument("--max-new-tokens-limit", type=int, default=2048)
-    p.add_argument("--max-sessions", type=int, default=64, help="concurrent generations; more get RESOURCE_EXHAUSTED")
-    p.add_argument("--session-ttl-s", type=int, default=3600)
-    p.add_argument("--startup-timeout-s", type=float, default=60.0,
-                   help="how long to wait at start for the target to answer (it may still be loading its model)")
-    p.add_argument("--session-lease-s", type=float, default=5.0,
-                   help="a session's single-writer lease in Redis: a stream renews it every third of this; a crashed "
-                        "orchestrator's sessions can be resumed elsewhere after at most this long")
-    p.add_argument("--fallback-chunk", type=int, default=4,
-                   help="tokens per target-only Decode call (degraded, paused by the draft length, or speculation off)")
-    p.add_argument("--draft-timeout-floor-ms", type=float, default=100.0)
-    p.add_argument("--draft-timeout-factor", type=float, default=2.0, help="x the measured target step time")
-    p.add_argument("--breaker-open-s", type=float, default=1.0, help="how long a failed draft replica is skipped")
-    p.add_argument("--breaker-failures", type=int, default=2,
-                   help="consecutive draft failures (timeouts, errors) that open a replica's breaker")
-    p.add_argument("--target-grace-s", type=float, default=30.0, help="wait this long for a dead target to return")
-    p.add_argument("--store-grace-s", type=float, default=10.0, help="wait this long for Redis to return")
-    p.add_argument("--auth-tokens-file", default=os.environ.get("SPECDEC_AUTH_TOKENS_FILE"),
-                   help="file with one bearer token per line; when set, the public API requires one")
-    p.add_argument("--admin-tokens-file", default=os.environ.get("SPECDEC_ADMIN_TOKENS_FILE"),
-                   help="bearer tokens (one per line) that also see internal addresses in GetOutline")
-    p.add_argument("--redis-password-file", default=os.environ.get("SPECDEC_REDIS_PASSWORD_FILE"),
-                   help="the session store's password, read from this file (never from the command line)")
+    """`specdec serve orchestrator`'s flags: the fields of ServerSettings and LoopConfig (orchestrator/settings.py)."""
+    settings.add_arguments(p, ServerSettings)
+    settings.add_arguments(p, LoopConfig)
     cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
-    p.add_argument("--tls-public-no-client-cert", action="store_true",
-                   help="public API over TLS without client certificates (bearer tokens authenticate instead)")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -522,19 +462,7 @@ def serve(args: argparse.Namespace) -> None:
     if (tokens or admin_tokens) and not args.tls_cert and not is_loopback(args.listen):
         log.warning("bearer tokens over plaintext: give the public port TLS (--tls-cert/--tls-key)")
     configure_tls(tls_from_args(args))  # channels to draft and target
-    cfg = LoopConfig(default_draft_len=args.draft_len, max_draft_len=args.max_draft_len,
-                     adaptive_draft_len=args.adaptive_draft_len, draft_len_policy=args.draft_len_policy,
-                     pipeline=args.pipeline,
-                     pipeline_min_gain_ms=args.pipeline_min_gain_ms,
-                     pipeline_max_sessions=args.pipeline_max_sessions,
-                     draft_prefill=args.draft_prefill,
-                     speculation_max_sessions=args.speculation_max_sessions,
-                     draft_min_confidence=args.draft_min_confidence,
-                     tree_budget=args.tree_budget, tree_branch=args.tree_branch,
-                     tree_branch_below=args.tree_branch_below,
-                     fallback_chunk=args.fallback_chunk,
-                     draft_timeout_floor_ms=args.draft_timeout_floor_ms, draft_timeout_factor=args.draft_timeout_factor,
-                     target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s)
+    cfg = settings.from_args(LoopConfig, args)
     http = None
     if args.http_listen:
         from orchestrator.http_api import HttpServer

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from orchestrator.records import GenerationParams, GenerationStats
 from specdec import observability as telemetry
 
 KEY_PREFIX = "specdec:session:"
@@ -42,7 +43,7 @@ def unpack_tokens(data: bytes | None) -> list[int]:
 class SessionRecord:
     session_id: str
     prompt_ids: list[int]
-    params: dict
+    params: GenerationParams
     generated: list[int] = field(default_factory=list)
     status: str = "running"  # running, finished, cancelled, failed
     finish_reason: int = 0
@@ -50,7 +51,14 @@ class SessionRecord:
     draft_pos: int = 0
     draft_replica: str = ""  # the draft replica holding this session's cache (draft_pos refers to it)
     step: int = 0
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self):
+        # As loaded: plain dicts (the memory store; records stored before the typed, versioned layout).
+        if not isinstance(self.params, GenerationParams):
+            self.params = GenerationParams.from_dict(self.params)
+        if not isinstance(self.stats, GenerationStats):
+            self.stats = GenerationStats.from_dict(self.stats)
 
     @property
     def committed(self) -> list[int]:
@@ -64,7 +72,7 @@ class SessionRecord:
             "draft_pos": self.draft_pos,
             "draft_replica": self.draft_replica,
             "step": self.step,
-            "stats": json.dumps(self.stats),
+            "stats": self.stats.to_json(),
             "updated": time.time(),
         }
 
@@ -188,7 +196,7 @@ class RedisSessionStore:
     def create(self, rec: SessionRecord) -> None:
         meta, gen = self._keys(rec.session_id)
 
-        fields = {"prompt": pack_tokens(rec.prompt_ids), "params": json.dumps(rec.params), **rec.state_fields()}
+        fields = {"prompt": pack_tokens(rec.prompt_ids), "params": rec.params.to_json(), **rec.state_fields()}
         args = [pack_tokens(rec.generated), self.ttl_s, *(x for kv in fields.items() for x in kv)]
         self._write(lambda pipe: self._create_script(keys=[meta, gen], args=args, client=pipe))
 
@@ -359,7 +367,8 @@ class MemorySessionStore:
 
     def _put(self, rec: SessionRecord) -> None:
         with self._lock:
-            self._data[rec.session_id] = (time.time() + self.ttl_s, json.loads(json.dumps(asdict(rec))))
+            self._data[rec.session_id] = (time.time() + self.ttl_s, json.loads(json.dumps(
+                {**asdict(rec), "params": rec.params.to_dict(), "stats": rec.stats.to_dict()})))
             self._data.move_to_end(rec.session_id)
             while len(self._data) > self.max_sessions:
                 old, _ = self._data.popitem(last=False)

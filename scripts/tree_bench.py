@@ -73,8 +73,7 @@ def start(target, draft, cfg):
     info = common_pb2.ModelInfo(model_name=draft.name, vocab_size=draft.vocab_size,
                                 tokenizer_fingerprint=draft.fingerprint, max_context=draft.max_context,
                                 eos_token_ids=draft.eos_token_ids, strategy="model")
-    dsrv = build_draft_server(ModelProposer(draft, SessionCacheStore()), info, "127.0.0.1:0")
-    dsrv.servicer.max_draft_len = 64
+    dsrv = build_draft_server(ModelProposer(draft, SessionCacheStore()), info, "127.0.0.1:0", max_draft_len=64)
     dsrv.start()
     tc = TargetClient(tsrv.address)
     servicer = OrchestratorServicer(tc, DraftPool([dsrv.address]), open_store("memory"), target.tokenizer,
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     target, draft = load_pair(a.target, a.draft)
     base = LoopConfig(max_draft_len=64, draft_timeout_floor_ms=60000, draft_first_call_timeout_ms=60000,

@@ -16,6 +16,7 @@ from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend
 from specdec.models import LoadedModel
 from specdec.core.sampling import SamplingParams
 from target_service.jobs import VerifyJob, VerifyOutcome
+from specdec.core.settings import MAX_DRAFT_LEN
 
 
 class VerifyBatcher:
@@ -158,7 +159,7 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = 16,
+    def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = MAX_DRAFT_LEN,
                  batch_window_ms: float = 0.0, max_batch: int = 16, batch_wait_fraction: float = 0.5):
         self.loaded = loaded
         self.store = store if store is not None else SessionCacheStore()

@@ -9,12 +9,13 @@ import grpc
 
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
-from specdec.core import wire
+from specdec.core import settings, wire
 from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
 from specdec.core.kv_cache import SessionCacheStore
 from specdec.models import DEFAULT_TARGET, load_model
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
+from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target")
 
@@ -36,6 +37,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             forward_ms=engine.forward_ms,
             max_batch=engine.max_batch,
             kv_fingerprint=loaded.kv_fingerprint,
+            max_draft_len=engine.max_draft_len,
         )
         component = {"specdec.component": "target"}
         telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
@@ -146,29 +148,8 @@ def build_server(engine: TargetEngine, address: str, max_workers: int = 8) -> Se
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_TARGET, help="model spec: smollm2, tiny:..., a local path, a .gguf file or an HF id")
-    p.add_argument("--listen", default="127.0.0.1:50052")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
-                   help="fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify block then costs little more than one decode step "
-                        "(auto: when torch has oneDNN)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
-    p.add_argument("--max-cache-mb", type=int, default=4096, help="KV cache bytes kept (LRU)")
-    p.add_argument("--max-draft-len", type=int, default=16)
-    p.add_argument("--batch-window-ms", type=float, default=0.0,
-                   help="collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
-    p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--batch-wait-fraction", type=float, default=0.5,
-                   help="a batch also waits for recently active sessions up to this fraction of the recent forward "
-                        "time (a job that misses the batch waits for that forward anyway); 0 = the window only")
-    p.add_argument("--ragged-batch", choices=["auto", "off"], default="auto",
-                   help="batched forwards attend to each session's own KV cache instead of a padded copy "
-                        "(auto: llama, qwen2, qwen3 and mistral without sliding window; specdec/models/ragged_batch.py)")
-    p.add_argument("--profile-forward", choices=["on", "off"], default="on",
-                   help="measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and "
-                        "report it in GetInfo, for the orchestrator's adaptive draft length")
+    """`specdec serve target`'s flags: the fields of TargetSettings (target_service/settings.py)."""
+    settings.add_arguments(p, TargetSettings)
     cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import build_server as build_draft_server
-from orchestrator.generation import LoopConfig
+from orchestrator.settings import LoopConfig
 from orchestrator.local_draft import build_local_client, is_local
 from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
 from orchestrator.clients import TargetClient
@@ -130,9 +130,21 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
         for replica in pool.replicas:  # as orchestrator.server.connect does
             replica.info = replica.client.info()
             check_compatible(target_info, replica.info)
-    # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy.
-    cfg = cfg or LoopConfig(default_draft_len=draft_len, draft_timeout_floor_ms=5000)
+    # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy. A fixed draft
+    # length: tests count steps.
+    cfg = cfg or LoopConfig(default_draft_len=draft_len, adaptive_draft_len=False, draft_timeout_floor_ms=5000)
     servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,
                                     cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs)
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
     return Stack(tsrv, dservers, osrv, servicer, engine, SpecdecClient(osrv.address, timeout_s=120))
+
+
+def loop_state(rec=None, cfg: LoopConfig | None = None, vocab_size: int = 100, pool=None, **measured):
+    """A session's loop state (orchestrator/loop/state.py) without services, for unit tests of the loop's parts;
+    `measured`: Measurements fields."""
+    from orchestrator.loop.state import Backends, LoopState, Measurements, StreamControl
+    from orchestrator.session_store import SessionRecord
+
+    rec = rec if rec is not None else SessionRecord("s", [1, 2, 3], {})
+    return LoopState(rec, cfg or LoopConfig(), Backends(None, pool, None, set(), vocab_size), Measurements(**measured),
+                     StreamControl())

@@ -144,7 +144,7 @@ def test_concurrent_decodes_share_forward_passes():
 def test_speculation_turns_off_above_the_session_limit(redis_url):
     """--speculation-max-sessions: with more sessions generating than the limit, steps decode target-only
     (counted as load_shed_steps); a lone session still speculates; outputs equal target-only either way."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=5000, speculation_max_sessions=1)
     stack = start_stack(redis_url, draft=DRAFT_EARLY, cfg=cfg, batch_window_ms=5)
@@ -163,22 +163,22 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     does sharing the draft with more sessions than --pipeline-max-sessions."""
     import types
 
-    from orchestrator.generation import Generation, LoopConfig
-
-    from orchestrator.generation import StepTimer
+    from orchestrator.loop import StepTimer
+    from orchestrator.loop.prefetch import Prefetcher
+    from orchestrator.settings import LoopConfig
     from specdec.v1 import common_pb2
+    from tests.harness import loop_state
 
-    gen = types.SimpleNamespace(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), last_block_full=True,
-                                full_block_rate=1.0, propose_time=StepTimer(), sessions=1)
-    gen._sessions = lambda: gen.sessions
-    gen._draft_shared = lambda: Generation._draft_shared(gen)
+    load = types.SimpleNamespace(sessions=1)
+    state = loop_state(cfg=LoopConfig(pipeline="auto", pipeline_min_gain_ms=1.0), active_sessions=lambda: load.sessions)
+    gen = Prefetcher(state, types.SimpleNamespace(propose_time=StepTimer()))
     ngram = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="ngram"))
     model_draft = types.SimpleNamespace(info=common_pb2.ModelInfo(strategy="quantized"))
-    gen.propose_time.observe(0.4)
-    pays = Generation._prefetch_pays
+    gen.draft.propose_time.observe(0.4)
+    pays = Prefetcher.pays
     assert not pays(gen, ngram)                # cheap drafter: nothing to hide
-    gen.propose_time, gen.full_block_rate = StepTimer(), 0.7
-    gen.propose_time.observe(20.0)
+    gen.draft.propose_time, gen.full_block_rate = StepTimer(), 0.7
+    gen.draft.propose_time.observe(20.0)
     assert pays(gen, ngram)                    # 14 ms expected saving
     gen.full_block_rate = 0.03
     assert not pays(gen, ngram)                # blocks are rarely fully accepted: prefetches are wasted
@@ -187,14 +187,14 @@ def test_auto_pipelining_prefetches_only_when_it_pays():
     assert pays(gen, model_draft)              # a model draft's stale prefetch is cancelled: start it anyway
     assert not pays(gen, types.SimpleNamespace(info=None))  # a replica not yet known: as a free drafter
     # More sessions than --pipeline-max-sessions (2): their blocks fill the draft's time; no prefetching, and the
-    # goodput draft length is told so (_pipelines); --pipeline on prefetches whatever the load
-    assert Generation._pipelines(gen, model_draft)
-    gen.sessions = 3
-    assert not pays(gen, model_draft) and not Generation._pipelines(gen, model_draft)
-    gen.cfg.pipeline_max_sessions = 0  # no limit
-    assert pays(gen, model_draft) and Generation._pipelines(gen, model_draft)
-    gen.cfg.pipeline_max_sessions, gen.cfg.pipeline = 2, "on"
-    assert Generation._pipelines(gen, model_draft)
+    # goodput draft length is told so (pipelines); --pipeline on prefetches whatever the load
+    assert gen.pipelines(model_draft)
+    load.sessions = 3
+    assert not pays(gen, model_draft) and not gen.pipelines(model_draft)
+    state.cfg.pipeline_max_sessions = 0  # no limit
+    assert pays(gen, model_draft) and gen.pipelines(model_draft)
+    state.cfg.pipeline_max_sessions, state.cfg.pipeline = 2, "on"
+    assert gen.pipelines(model_draft)
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "packed"])
@@ -298,7 +298,7 @@ def test_goodput_drafts_less_as_the_batch_grows(redis_url):
     """The goodput draft length costs a block as part of a forward over every generating session's tokens: on a
     target whose forward cost grows with the batch's tokens, 8 concurrent sessions draft less per step than a
     lone one (or pause drafting), and every output still equals target-only decoding."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     prof = [60.0] + [70.0] * 5 + [70.0 + 5 * (n - 6) for n in range(7, 69)]  # CPU-like: flat to 6 tokens
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)

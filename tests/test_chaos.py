@@ -100,25 +100,24 @@ def test_checks_and_report_without_services():
 
 def test_store_commit_survives_a_lost_exec_reply(redis_server):
     """What redis_restart hits by chance, made deterministic: Redis applies a commit but its reply is lost;
-    the orchestrator's store retry (Generation._store) must not store the block twice."""
-    import threading
-    import types
-
+    the orchestrator's store retry (orchestrator/loop/stream.py: store_with_grace) must not store the block twice."""
     from chaos.redis_proxy import ExecReplyDroppingProxy
-    from orchestrator.generation import Generation, LoopConfig
+    from orchestrator.loop.stream import store_with_grace
     from orchestrator.session_store import RedisSessionStore, SessionRecord
+    from orchestrator.settings import LoopConfig
+    from tests.harness import loop_state
 
     proxy = ExecReplyDroppingProxy(redis_server.port)
     try:
         store = RedisSessionStore(proxy.url)
         rec = SessionRecord("chaos-lost-reply", [1, 2, 3], {"owner": ""})
         store.create(rec)
-        gen = types.SimpleNamespace(cfg=LoopConfig(store_grace_s=5.0), cancel=threading.Event(), rec=rec)
+        state = loop_state(rec, LoopConfig(store_grace_s=5.0))
         for block in ([7, 8], [9, 10], [11]):
             if block == [9, 10]:
                 proxy.drop_next_exec_reply()
             rec.generated += block
-            Generation._store(gen, store, lambda b=block: store.commit(rec, b))
+            store_with_grace(state, lambda b=block: store.commit(rec, b))
         assert proxy.dropped == 1
         stored = RedisSessionStore(redis_server.url).load(rec.session_id).generated
         assert stored == rec.generated == [7, 8, 9, 10, 11], f"stored {stored}"

@@ -28,12 +28,31 @@ def test_stack_flags_override_the_defaults():
         _stack_config(["run", "--pipeline", "sometimes"])
 
 
+def test_the_stack_and_the_cli_take_their_defaults_from_the_orchestrators_settings():
+    """One default per setting: `specdec serve orchestrator`, StackConfig and `specdec run|up` agree."""
+    import argparse
+
+    from orchestrator import server
+    from orchestrator.settings import LoopConfig
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    serve = p.parse_args([])
+    for cfg in (StackConfig(), _stack_config(["run"]), _stack_config(["up"])):
+        assert cfg.draft_len == serve.default_draft_len == LoopConfig().default_draft_len
+        assert cfg.adaptive_draft_len is serve.adaptive_draft_len is LoopConfig().adaptive_draft_len is True
+    assert StackConfig().pipeline == serve.pipeline == LoopConfig().pipeline
+
+
 def test_the_stack_passes_the_settings_to_the_services(tmp_path):
     stack = LocalStack(StackConfig(adaptive_draft_len=True, pipeline="auto", batch_window_ms=5.0), str(tmp_path))
     assert stack._speculation() == ["--pipeline", "auto", "--adaptive-draft-len"]
     assert stack._batching() == ["--batch-window-ms", "5.0"]
-    library_default = LocalStack(StackConfig(), str(tmp_path))  # tests and chaos runs: fixed g, no pipelining
-    assert library_default._speculation() == ["--pipeline", "off"] and library_default._batching() == []
+    library_default = LocalStack(StackConfig(), str(tmp_path))  # the orchestrator's defaults: adaptive g, no pipelining
+    assert library_default._speculation() == ["--pipeline", "off", "--adaptive-draft-len"]
+    assert library_default._batching() == []
+    fixed = LocalStack(StackConfig(adaptive_draft_len=False), str(tmp_path))  # chaos runs count steps: fixed g
+    assert fixed._speculation() == ["--pipeline", "off", "--no-adaptive-draft-len"]
     with pytest.raises(ValueError, match="off, on or auto"):
         LocalStack(StackConfig(pipeline="yes"), str(tmp_path))._speculation()
 

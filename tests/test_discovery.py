@@ -11,7 +11,7 @@ import pytest
 from orchestrator.clients import TargetClient
 from orchestrator.discovery import Discovery, DnsName, parse_dns, resolve_getaddrinfo
 from orchestrator.draft_pool import OPEN, DraftPool
-from orchestrator.generation import LoopConfig
+from orchestrator.settings import LoopConfig
 from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
 from orchestrator.session_store import open_store
 from specdec.client import SpecdecClient

@@ -10,7 +10,6 @@ import pytest
 
 from orchestrator.clients import DraftReply
 from orchestrator.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from orchestrator.generation import Generation
 
 
 def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed_probe(monkeypatch):
@@ -74,11 +73,15 @@ def test_a_probe_slot_taken_by_a_step_that_made_no_call_is_given_back():
     replica.breaker.failure()
     replica.breaker.health_ok()
     assert replica.breaker.allow()  # the step's pick()
-    rec = types.SimpleNamespace(committed=[1, 2, 3], stats={"pipeline_hits": 0})
-    gen = types.SimpleNamespace(rec=rec, prefetched=DraftReply([7, 8], [], 5, 1.0, False),
-                                prefetched_for=(3, "draft:1"))
-    reply, failed = Generation._take_prefetched(gen, replica, 2)
-    assert reply.tokens == [7, 8] and not failed and rec.stats["pipeline_hits"] == 1
+    from orchestrator.loop.prefetch import Prefetcher
+    from tests.harness import loop_state
+
+    state = loop_state()
+    rec = state.rec
+    prefetcher = Prefetcher(state, draft=None)
+    prefetcher.prefetched, prefetcher.prefetched_for = DraftReply([7, 8], [], 5, 1.0, False), (3, "draft:1")
+    reply = prefetcher.take(replica, 2)
+    assert reply.tokens == [7, 8] and rec.stats.pipeline_hits == 1
     assert replica.breaker.allow()  # the probe is still to come
 
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from draft_service.proposers.base import Proposal, Proposer
-from orchestrator.generation import LoopConfig
+from orchestrator.settings import LoopConfig
 from specdec.ops.redis_server import RedisServer
 from target_service.server import build_server as build_target_server
 from tests.harness import DRAFT_EARLY, DRAFT_SAME, TARGET, model, start_draft, start_stack
@@ -266,12 +266,13 @@ def test_target_stopped_during_a_verify_is_waited_for_like_one_that_is_down(redi
 def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors_are_not():
     """What a target call's error means: the target went away (UNAVAILABLE, DEADLINE_EXCEEDED, or CANCELLED when
     it stopped with the call in flight: CI saw that one end a generation) -> wait and retry; anything else fails."""
-    from orchestrator.generation import Generation, GenerationError
     from orchestrator.local_draft import LocalRpcError
+    from orchestrator.loop import GenerationError
+    from orchestrator.loop.target_call import TargetCall
+    from tests.harness import loop_state
 
     def gen():
-        return types.SimpleNamespace(cfg=LoopConfig(target_grace_s=5.0), cancel=threading.Event(),
-                                     rec=types.SimpleNamespace(session_id="s", stats={"target_resyncs": 0}))
+        return TargetCall(loop_state(cfg=LoopConfig(target_grace_s=5.0)))
 
     for code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         calls = []
@@ -283,11 +284,10 @@ def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors
             return types.SimpleNamespace(resynced=True)
 
         g = gen()
-        assert Generation._target_call(g, fn, "verify").resynced and len(calls) == 2
-        assert g.rec.stats["target_resyncs"] == 1
+        assert g.call(fn, "verify").resynced and len(calls) == 2
+        assert g.state.rec.stats.target_resyncs == 1
     with pytest.raises(GenerationError) as e:
-        Generation._target_call(gen(), lambda t: (_ for _ in ()).throw(LocalRpcError(grpc.StatusCode.INTERNAL, "boom")),
-                                "verify")
+        gen().call(lambda t: (_ for _ in ()).throw(LocalRpcError(grpc.StatusCode.INTERNAL, "boom")), "verify")
     assert e.value.code == grpc.StatusCode.INTERNAL
 
 

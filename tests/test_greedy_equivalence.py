@@ -84,7 +84,7 @@ def test_eos_stops_generation_identically(redis_url):
 @pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID, "local:ngram", INT8_SELF],
                          ids=["ngram", "early-layer", "same-model", "hybrid", "local-ngram", "int8-self"])
 def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     # min gain 0: auto prefetches after every fully accepted block, so both modes exercise the prefetch path here.
     # k = 6 is the longest draft allowed: its prefetch asks for the bonus guess + 5.
@@ -106,7 +106,7 @@ def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
 
 
 def test_pipelined_sampling_is_reproducible_and_valid(redis_url):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     s = start_stack(redis_url, draft=DRAFT_EARLY, cfg=LoopConfig(pipeline="on", draft_timeout_floor_ms=5000))
     try:
@@ -118,7 +118,7 @@ def test_pipelined_sampling_is_reproducible_and_valid(redis_url):
 
 
 def test_min_confidence_and_adaptive_length_keep_output(redis_url):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_min_confidence=0.6,
                      draft_timeout_floor_ms=5000)
@@ -137,13 +137,13 @@ def test_min_confidence_and_adaptive_length_keep_output(redis_url):
 @pytest.mark.parametrize("draft", [DRAFT_SAME, DRAFT_OTHER, "local:ngram"], ids=["same-model", "unrelated", "local-ngram"])
 def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, draft):
     """The goodput policy (the target's measured forward profile) changes only how much is drafted."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
     from orchestrator.outline import build_outline
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms="measure")
     try:
-        assert s.servicer.target_cost is not None
+        assert s.servicer.measured.target_cost is not None
         assert "goodput" in build_outline(s.servicer)["draftStrategy"]["draftLength"]["policy"]
         for prompt in PROMPTS:
             ref = s.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
@@ -161,7 +161,7 @@ def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, dra
 def test_goodput_pauses_speculation_when_no_draft_length_pays(redis_url):
     """A target whose forward cost grows linearly with the tokens (a compute-bound, fully loaded target): an
     unrelated draft never pays, so the session decodes target-only, probing the draft now and then."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     from specdec import observability as telemetry
@@ -188,7 +188,7 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     """The n-gram drafter scores its tokens; the goodput policy asks for longer drafts and verifies only the prefix
     its learned evidence says pays (a target where every verified token costs a sixth of a step). Trimming
     changes what is verified, never the output."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     from orchestrator.outline import build_outline
     from specdec import observability as telemetry
@@ -206,7 +206,7 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
                 assert got.token_ids == ref.token_ids
                 for key in totals:
                     totals[key] += got.stats[key]
-        assert s.servicer.draft_evidence._accepted  # scores reached the orchestrator and were learned from
+        assert s.servicer.measured.draft_evidence._accepted  # scores reached the orchestrator and were learned from
         trimmed = (telemetry.metric_value(telemetry.snapshot(), "specdec.draft.tokens_trimmed")
                    - telemetry.metric_value(before, "specdec.draft.tokens_trimmed"))
     finally:

@@ -63,7 +63,7 @@ def test_local_errors_carry_grpc_codes():
 
 
 def test_orchestrator_start_up_builds_the_local_drafter(redis_url):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
     from orchestrator.server import build_servicer
     from specdec.core.kv_cache import SessionCacheStore
     from target_service.engine import TargetEngine

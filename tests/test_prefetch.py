@@ -7,8 +7,9 @@ import types
 
 import grpc
 
-from orchestrator.draft_length import DraftCost
-from orchestrator.generation import Generation
+from orchestrator.loop.prefetch import PendingPrefetch, Prefetcher
+from orchestrator.session_store import SessionRecord
+from tests.harness import loop_state
 
 
 class FakeFuture:
@@ -27,12 +28,17 @@ class FakeFuture:
         return True
 
 
+def _pending(future, replica, verified, committed_len, full):
+    return PendingPrefetch(future, replica, 5, verified, committed_len, full)
+
+
 def _gen(pending):
-    rec = types.SimpleNamespace(committed=[1, 2, 3, 4, 5], stats={"prefetch_wait_ms": 0.0, "draft_ms": 0.0})
-    return types.SimpleNamespace(rec=rec, pending_prefetch=pending, prefetched=None, prefetched_for=None,
-                                 step_draft_ms=0.0, vocab_size=100, _draft_timeout_s=lambda k: 0.1,
-                                 draft_cost=DraftCost(), _sessions=lambda: 1,
-                                 params=types.SimpleNamespace(is_greedy=True))
+    """A Prefetcher of a session with 5 committed tokens, greedy, whose draft deadline is 0.1 s."""
+    state = loop_state(SessionRecord("s", [1, 2, 3], {}, generated=[4, 5]), vocab_size=100)
+    gen = Prefetcher(state, types.SimpleNamespace(timeout_s=lambda k: 0.1))
+    gen.pending = None if pending is None else _pending(*pending)
+    gen.rec, gen.draft_cost = state.rec, state.measured.draft_cost
+    return gen
 
 
 def test_the_next_step_takes_a_prefetch_that_guessed_the_bonus_token():
@@ -40,16 +46,16 @@ def test_the_next_step_takes_a_prefetch_that_guessed_the_bonus_token():
     reply = types.SimpleNamespace(tokens=[9, 10, 11], probs=[], token_scores=[], cached_len=7, draft_ms=3.0)
     # The verified block [4, 9] was accepted whole (3 = committed length before it); the prefetch starts with 9.
     gen = _gen((FakeFuture(reply), replica, [4, 9], 3, True))
-    Generation._resolve_prefetch(gen)
-    assert gen.pending_prefetch is None
+    gen.resolve()
+    assert gen.pending is None
     assert gen.prefetched.tokens == [10, 11] and gen.prefetched_for == (5, "draft:1")
-    assert gen.rec.stats["draft_ms"] == 3.0
+    assert gen.rec.stats.draft_ms == 3.0
 
     for guess, full in ((8, True), (9, False)):  # a wrong bonus guess, or a block not accepted whole: dropped
         gen = _gen((FakeFuture(types.SimpleNamespace(**{**vars(reply), "tokens": [guess, 10]})), replica, [4, 9], 3,
                     full))
-        Generation._resolve_prefetch(gen)
-        assert gen.prefetched is None and gen.pending_prefetch is None
+        gen.resolve()
+        assert gen.prefetched is None and gen.pending is None
 
 
 class _Store:
@@ -62,16 +68,15 @@ class _Store:
 
 
 def _streaming_gen(pending, blocks):
-    """A Generation whose steps are `blocks` (each committed as it is), with `pending` as its prefetch."""
-    import threading
+    """A stream whose steps are `blocks` (each committed as it is), with `pending` as its prefetch."""
+    from orchestrator.loop import Chunk
+    from orchestrator.loop.stream import Stream
 
-    from orchestrator.generation import Chunk, LoopConfig
-    from orchestrator.session_store import SessionRecord
-
-    gen = Generation.__new__(Generation)
-    gen.rec = SessionRecord("s", [1, 2], {}, stats={"store_ms": 0.0, "store_overlapped_ms": 0.0})
-    gen.cfg, gen.cancel, gen.lease = LoopConfig(), threading.Event(), ""
-    gen.pending_prefetch, gen.prefetched = pending, None
+    state = loop_state(SessionRecord("s", [1, 2], {}, stats={"store_ms": 0.0, "store_overlapped_ms": 0.0}))
+    prefetcher = Prefetcher(state, draft=None)
+    prefetcher.pending = _pending(*pending)
+    gen = Stream(state, types.SimpleNamespace(prefetch=prefetcher), text=None)
+    gen.rec, gen.prefetcher = state.rec, prefetcher
 
     def steps(stop):
         for i, block in enumerate(blocks):
@@ -81,7 +86,7 @@ def _streaming_gen(pending, blocks):
                 gen.rec.status = "finished"
             yield Chunk(block, "", i), block
 
-    gen._steps = steps
+    gen.steps = steps
     return gen
 
 
@@ -89,7 +94,7 @@ def test_a_prefetch_still_pending_when_the_generation_ends_is_cancelled():
     for close_early in (False, True):
         future, store = FakeFuture(), _Store()
         gen = _streaming_gen((future, None, [4], 4, True), [[7], [8]])
-        stream = Generation.run(gen, store=store)
+        stream = gen.run(store=store)
         if close_early:  # the client went away after the first chunk
             assert next(stream).tokens == [7]
             stream.close()
@@ -97,7 +102,7 @@ def test_a_prefetch_still_pending_when_the_generation_ends_is_cancelled():
         else:
             assert [c.tokens for c in stream] == [[7], [8]]
             assert store.commits == [[7], [8]] and gen.rec.status == "finished"
-        assert future.cancelled and gen.pending_prefetch is None
+        assert future.cancelled and gen.prefetcher.pending is None
 
 
 def test_a_prefetched_block_measures_the_drafts_time_per_token():
@@ -105,7 +110,7 @@ def test_a_prefetched_block_measures_the_drafts_time_per_token():
     reply = types.SimpleNamespace(tokens=[9, 10, 11, 12], probs=[], token_scores=[], cached_len=7, draft_ms=8.0)
     gen = _gen((FakeFuture(reply), types.SimpleNamespace(address="draft:1"), [4, 9], 3, True))
     assert gen.draft_cost.deadline_per_token() is None
-    assert Generation._resolve_prefetch(gen) is False
+    assert gen.resolve() is False
     assert gen.draft_cost.deadline_per_token() == 2.0 and gen.draft_cost.deadline_per_token(sessions=2) == 4.0
     # not the cost a draft length weighs (drafted alongside a verify): Propose calls measure that
     assert gen.draft_cost.token_ms.value is None
@@ -131,7 +136,7 @@ class LateFuture(FakeFuture):
 def test_a_late_prefetch_is_waited_for_one_draft_deadline_then_cancelled_as_a_draft_failure():
     future, failed = LateFuture(), []
     gen = _gen((future, types.SimpleNamespace(address="draft:1"), [4, 9], 3, True))
-    gen._draft_failed = lambda replica, kind, detail: failed.append(kind)
-    assert Generation._resolve_prefetch(gen) is True  # the step then decodes target-only
+    gen.draft.failed = lambda replica, kind, detail: failed.append(kind)
+    assert gen.resolve() is True  # the step then decodes target-only
     assert future.waited == 0.1 and future.cancelled
     assert failed == ["prefetch_deadline_exceeded"] and gen.prefetched is None

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import redis
 
-from orchestrator.generation import LoopConfig
+from orchestrator.settings import LoopConfig
 from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
 from orchestrator.store_client import StoreUrlError, connect
 from specdec.ops.redis_server import RedisServer, free_port, redis_server_binary

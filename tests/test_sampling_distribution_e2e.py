@@ -85,7 +85,7 @@ def test_speculative_sampling_matches_target_distribution(stack, expected):
 
 def test_pipelined_speculative_sampling_matches_target_distribution(redis_url, expected):
     """Pipelining drafts the next block before verification: a used prefetch must not bias the output."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     s = start_stack(redis_url, target=TARGET, draft=DRAFT, cfg=LoopConfig(pipeline="on", draft_timeout_floor_ms=5000))
     try:
@@ -123,10 +123,10 @@ def test_int8_self_draft_sampling_matches_target_distribution(redis_url):
     prompt KV (a prompt long enough for the hand-over). Its q (float16 on the wire) is close to p: ~99% of drafts
     are accepted here, so this mainly checks that the q it samples from is the q it sends (a mismatch biases every
     accepted token); the residual path has the plain test above."""
-    from orchestrator.generation import Generation
+    from orchestrator.loop.handover import PARALLEL_PREFILL_MIN_TOKENS
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 0] * 3  # past the hand-over threshold
-    assert len(prompt) - 1 >= Generation.PARALLEL_PREFILL_MIN_TOKENS
+    assert len(prompt) - 1 >= PARALLEL_PREFILL_MIN_TOKENS
     expected = exact_target_distribution(SamplingParams(**PARAMS), prompt)
     s = start_stack(redis_url, target=TARGET, draft="int8:" + TARGET)
     try:
@@ -161,7 +161,7 @@ def test_goodput_draft_length_sampling_matches_target_distribution(redis_url, ex
     """The goodput policy picks each step's k from earlier verify outcomes (this session's and all sessions'):
     the choice must not bias the output. A CPU-like cost profile makes it vary k, and pause drafting, per step."""
     from orchestrator.draft_length import GoodputDraftLength
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     chosen = []
     best = GoodputDraftLength.best
@@ -197,7 +197,7 @@ def test_scored_ngram_drafts_trimmed_by_goodput_keep_the_target_distribution(red
     """The n-gram drafter (one-hot q) with the goodput policy trimming each draft by its scores: how much is
     verified depends on the draft and on earlier outcomes, never on the verifier's coins of this block, so the
     output must stay the target's distribution."""
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     # The prompt holds the target's own greedy continuation of PROMPT, then PROMPT again: the n-gram drafter
     # proposes likely tokens, so drafts are accepted often enough to be drafted, scored and trimmed.

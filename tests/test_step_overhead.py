@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from orchestrator.generation import LoopConfig
+from orchestrator.settings import LoopConfig
 from tests.harness import DRAFT_SAME, start_stack
 
 pytestmark = pytest.mark.serial  # compares round trips with a sleep: alone on the cores (scripts/test.sh)
@@ -60,7 +60,7 @@ def test_the_target_step_cost_leaves_out_waiting_for_the_draft(redis_url):
     cfg = LoopConfig(pipeline="on", pipeline_min_gain_ms=0.0, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft="ngram", cfg=cfg, forward_ms="measure")  # an n-gram prefetch is waited for
     try:
-        seen = _record_step_overheads(s.servicer.target_cost)
+        seen = _record_step_overheads(s.servicer.measured.target_cost)
         servicer = s.draft_servers[0].servicer
         servicer.inject_latency_ms, servicer.latency_enabled = SLEEP_MS, True
         st = s.client.generate(PROMPT, max_new_tokens=32, max_draft_len=4, ignore_eos=True).stats
@@ -84,7 +84,7 @@ def test_the_target_step_cost_leaves_out_a_new_sessions_prefill(redis_url):
         engine = s.target_engine
         prefill = engine.prefill
         engine.prefill = lambda *a, **k: (time.sleep(SLEEP_MS / 1e3), prefill(*a, **k))[1]  # a slow prompt
-        seen = _record_step_overheads(s.servicer.target_cost)
+        seen = _record_step_overheads(s.servicer.measured.target_cost)
         prompt = [(7 * i) % 60 + 1 for i in range(40)]
         st = s.client.generate(prompt, max_new_tokens=16, max_draft_len=4, ignore_eos=True).stats
         assert st["kv_imports"] == 1 and st["prefill_ms"] >= SLEEP_MS  # the prompt was prefilled for the draft

@@ -120,7 +120,7 @@ MAX_NEW = 40
 
 
 def tree_cfg(budget, **kw):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     return LoopConfig(tree_budget=budget, draft_timeout_floor_ms=5000, **kw)
 

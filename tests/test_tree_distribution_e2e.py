@@ -18,7 +18,7 @@ from tests.test_tree_sampling import broken_no_residual_update
 
 @pytest.fixture(scope="module")
 def tree_stack(redis_url):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(tree_budget=5, tree_branch=2, tree_branch_below=1.0, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, target=TARGET, draft=DRAFT, cfg=cfg)
@@ -59,7 +59,7 @@ NGRAM_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
 
 
 def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
     from specdec.core.sampling import SamplingParams
     from tests.test_sampling_distribution_e2e import PARAMS, exact_target_distribution
 

@@ -1,0 +1,141 @@
+"""What every part of a generation shares: the session, the services it calls, what the orchestrator has measured
+across sessions, and this step's timings."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from orchestrator.clients import TargetClient
+from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, Ema, TargetCost
+from orchestrator.draft_pool import DraftPool
+from orchestrator.session_store import SessionRecord
+from orchestrator.settings import LoopConfig
+from specdec.core.sampling import SamplingParams
+from specdec.v1 import orchestrator_pb2 as opb
+
+FINISH_LENGTH = opb.FINISH_REASON_LENGTH
+FINISH_EOS = opb.FINISH_REASON_EOS
+FINISH_STOP = opb.FINISH_REASON_STOP
+FINISH_CANCELLED = opb.FINISH_REASON_CANCELLED
+
+
+class GenerationError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]
+    text: str
+    offset: int
+    finish_reason: int = 0
+
+
+class AcceptanceWindow:
+    """Acceptance over the orchestrator's most recent verify steps (all sessions), for the outline and metrics."""
+
+    def __init__(self, max_steps: int = 1000):
+        self.max_steps = max_steps
+        self._steps = deque(maxlen=max_steps)
+        self._lock = threading.Lock()
+
+    def add(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self._steps.append((proposed, accepted))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            steps = list(self._steps)
+        proposed = sum(p for p, _ in steps)
+        accepted = sum(a for _, a in steps)
+        return {"steps": len(steps), "window_steps": self.max_steps, "proposed": proposed, "accepted": accepted,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "mean_accepted_length": (accepted + len(steps)) / len(steps) if steps else None}
+
+
+class StepTimer(Ema):
+    """EMA of a step's duration: the target forward (shared by all sessions; it sets the draft deadline) or a
+    session's Propose round trip (what a prefetch saves). 0 until measured."""
+
+    @property
+    def ms(self) -> float:
+        return self.get(0.0)
+
+
+@dataclass
+class Backends:
+    """The services a generation calls, and the target model's facts it needs."""
+    target: TargetClient
+    pool: DraftPool | None
+    tokenizer: object
+    eos_ids: set[int]
+    vocab_size: int
+    target_kv_fingerprint: str = ""  # ModelInfo.kv_fingerprint of the target: drafts with the same take its KV
+    target_max_draft_len: int = 0    # ModelInfo.max_draft_len of the target (0: not advertised)
+
+
+@dataclass
+class Measurements:
+    """What the orchestrator measures across its sessions (one instance shared by all generations)."""
+    window: AcceptanceWindow | None = None
+    target_step: StepTimer = field(default_factory=StepTimer)
+    active_sessions: Callable[[], int] | None = None  # generations running in this orchestrator (load switch)
+    target_cost: TargetCost | None = None  # the target's measured step costs (goodput draft length)
+    acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
+    draft_evidence: DraftEvidence | None = None  # what the drafter's token scores mean (goodput draft length)
+    draft_cost: DraftCost = field(default_factory=DraftCost)
+
+    def sessions(self) -> int:
+        """Generations running in this orchestrator now: they share the draft (DraftCost keeps costs per session)."""
+        return max(1, int(self.active_sessions())) if self.active_sessions is not None else 1
+
+
+@dataclass
+class StreamControl:
+    """This stream's hold on the session: its cancel signal and its lease token (every write is fenced by it)."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lease: str = ""
+
+
+class LoopState:
+    """The session being generated, as every part of its loop sees it."""
+
+    def __init__(self, rec: SessionRecord, cfg: LoopConfig, backends: Backends, measured: Measurements,
+                 control: StreamControl):
+        self.rec, self.cfg, self.backends, self.measured, self.control = rec, cfg, backends, measured, control
+        p = rec.params
+        self.sampling = SamplingParams(p.temperature, p.top_k, p.top_p)
+        self.seed = int(p.seed)
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else backends.eos_ids)
+        # What this server allows and the target takes (0: the target does not say); a draft replica's own limit
+        # caps each call to it (draft_call.replica_limit).
+        self.max_draft_len = min(cfg.max_draft_len, backends.target_max_draft_len or cfg.max_draft_len)
+        self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
+        self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
+
+    @property
+    def stats(self):
+        return self.rec.stats
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backends.vocab_size
+
+    def sessions(self) -> int:
+        return self.measured.sessions()
+
+    def count_overhead(self, t0: float, service_ms: float, stat: str = "rpc_overhead_ms") -> float:
+        """Count a call's round trip since ``t0`` less the time its service reported working (the wire's and
+        gRPC's share) in the stat named ``stat``; return the round trip in ms."""
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        setattr(self.stats, stat, getattr(self.stats, stat) + max(0.0, wall_ms - service_ms))
+        return wall_ms

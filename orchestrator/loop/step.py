@@ -1,0 +1,103 @@
+"""One speculative step: the draft proposes, the target verifies, the accepted tokens and the target's next one are
+committed; if the draft fails (error, deadline, malformed reply) the step decodes target-only instead, so the output
+never depends on the draft, only the speed does.
+
+    reply = draft.propose(k)             # a prefetched block when pipelining guessed right
+    v = target.verify(reply)             # (n accepted, next token)
+    new = reply.tokens[:n] + [next]      # accept ... or fallback: target.decode(chunk)
+"""
+
+from __future__ import annotations
+
+from orchestrator import metrics
+from orchestrator.draft_length import make_draft_length
+from orchestrator.loop.accounting import record_decode, record_verify
+from orchestrator.loop.draft_call import DraftCall, replica_limit
+from orchestrator.loop.handover import PromptHandover
+from orchestrator.loop.prefetch import Prefetcher
+from orchestrator.loop.state import LoopState
+from orchestrator.loop.target_call import TargetCall
+from orchestrator.loop.tree import TreeStrategy
+
+
+class Step:
+    def __init__(self, state: LoopState):
+        self.state = state
+        self.draft = DraftCall(state)
+        self.target = TargetCall(state)
+        self.prefetch = Prefetcher(state, self.draft)
+        self.handover = PromptHandover(state)
+        cfg, measured, fixed = state.cfg, state.measured, state.rec.params.max_draft_len
+        # A per-request max_draft_len is a fixed length; the server default may adapt (chains only).
+        self.draft_len = make_draft_length(
+            min(fixed or cfg.default_draft_len, state.max_draft_len), state.max_draft_len,
+            cfg.adaptive_draft_len and not fixed and not cfg.tree_budget, cfg.draft_len_policy,
+            measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
+            measured.draft_cost)
+        self.tree = TreeStrategy(state, self) if cfg.tree_budget > 0 else None
+
+    def __call__(self, remaining: int) -> tuple[list[int], bool]:
+        """(newly committed tokens before stop handling, whether the step ran degraded)."""
+        stats, fallback = self.state.stats, min(self.state.cfg.fallback_chunk, remaining)
+        if self.prefetch.resolve():  # the draft failed this step already: no second deadline before falling back
+            return self.decode(fallback, degraded=True), True
+        k = min(self.draft_len.k, remaining - 1)
+        if k <= 0 or not self.draft.wanted():
+            if self.draft_len.k == 0 and self.draft.wanted():  # no draft length pays: target-only for now
+                stats.speculation_paused_steps += 1
+                metrics.record_paused()
+                self.draft_len.step_taken()
+            return self.decode(fallback, degraded=False), False
+        if self._overloaded():
+            stats.load_shed_steps += 1
+            metrics.record_load_shed()
+            return self.decode(fallback, degraded=False), False
+        replica = self.draft.pick_replica()
+        if replica is not None:
+            new, failed = (self.tree.run if self.tree else self.chain)(replica, k, remaining)
+            if new is not None:
+                return new, False
+            if not failed:
+                return self.decode(1, degraded=False), False  # nothing drafted: one target token, then draft again
+        # Every replica failed or is open: target-only for a few tokens, then try the draft again.
+        return self.decode(fallback, degraded=True), True
+
+    def chain(self, replica, k: int, remaining: int) -> tuple[list[int] | None, bool]:
+        """Propose about k tokens (the prefetched block, or a Propose taking the target's prompt KV or with the
+        target prefilling alongside for a new session), verify them: (new tokens, False); (None, failed) when
+        nothing was drafted or the draft failed."""
+        self.draft_len.pipelined = self.prefetch.pipelines(replica)
+        ask = replica_limit(replica, min(self.draft_len.request_len(k), remaining - 1))  # a scored draft is trimmed
+        reply = self.prefetch.take(replica, ask)
+        if reply is None:
+            kv = self.handover.target_kv(replica)
+            prefill = None if kv is not None else self.handover.start_parallel_prefill(replica)
+            reply, failed = self.draft.propose(replica, ask, kv)
+            self.handover.finish_parallel_prefill(prefill)
+            if reply is None:
+                return None, failed
+        self.draft.trim_to_verified_prefix(self.draft_len, reply, remaining - 1)
+        started = self.prefetch.start(replica, reply, ask)
+        new = self.accept(reply, self.target.verify(reply))
+        self.prefetch.finish(started, replica, reply, new)
+        return new, False
+
+    def accept(self, reply, v) -> list[int]:
+        """A chain's verify result: count it, move the draft's position; the committed tokens."""
+        rec = self.state.rec
+        ctx = len(rec.committed)
+        rec.target_pos = v.cached_len
+        rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
+        record_verify(self.state, self.draft_len, len(reply.tokens), v.num_accepted, v.verify_ms, reply.scores)
+        return reply.tokens[: v.num_accepted] + [v.next_token]
+
+    def decode(self, n: int, degraded: bool) -> list[int]:
+        d = self.target.decode(n, degraded)
+        record_decode(self.state, len(d.tokens), d.decode_ms, degraded)
+        return d.tokens
+
+    def _overloaded(self) -> bool:
+        """Under high load a batched target is compute-bound: a verify of k+1 tokens per session costs more than
+        the accepted tokens save, so decode target-only (vLLM's speculative_disable_by_batch_size)."""
+        limit, active = self.state.cfg.speculation_max_sessions, self.state.measured.active_sessions
+        return limit > 0 and active is not None and active() > limit

@@ -1,0 +1,110 @@
+"""The orchestrator's settings, each default written once: `specdec serve orchestrator`'s flags are generated from
+these fields (specdec/core/settings.py), and `specdec run|up` (launcher/stack.py, launcher/cli.py) take their defaults from
+here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from specdec.core.settings import MAX_DRAFT_LEN, setting
+
+
+@dataclass
+class LoopConfig:
+    """The speculative loop's settings (orchestrator/loop/)."""
+    default_draft_len: int = setting(4, "default draft length (the starting one when adaptive)", flag="--draft-len")
+    max_draft_len: int = setting(
+        MAX_DRAFT_LEN, "largest draft length a request may ask for (a step drafts at most the smallest of this, the "
+        "target's and the draft's advertised limits, and the request's max_draft_len)")
+    adaptive_draft_len: bool = setting(
+        True, "adapt the draft length per session from its acceptance (--no-adaptive-draft-len keeps --draft-len "
+        "fixed; a request's max_draft_len fixes it too)")
+    draft_len_policy: str = setting(
+        "goodput", "with --adaptive-draft-len: goodput = the k that maximises expected tokens per ms from the "
+        "session's acceptance and the measured target/draft costs (0 = target-only when no k pays; needs the "
+        "target's forward profile, else heuristic); heuristic = transformers' +2/-1 schedule",
+        choices=("goodput", "heuristic"))
+    draft_min_confidence: float = setting(
+        0.0, "the draft stops a block early when its top probability is below this (0 = never; llama.cpp p-min)")
+    pipeline: str = setting(
+        "off", "draft the next block while the target verifies (auto: when the measured saving, full-block rate x "
+        "Propose round trip, beats --pipeline-min-gain-ms)", choices=("off", "on", "auto"))
+    pipeline_min_gain_ms: float = setting(
+        1.0, "auto pipelining: the mean saving per step a prefetch must bring (about one RPC's cost)")
+    pipeline_max_sessions: int = setting(
+        2, "auto pipelining: no prefetching while more than N sessions are generating; their drafting already fills "
+        "the draft's time during each other's verifies, and a prefetch not accepted whole delays theirs "
+        "(0 = no limit)")
+    draft_prefill: str = setting(
+        "target-kv", "how a new session's draft gets the prompt when it is the target's own weights in int8 (equal "
+        "kv fingerprints): target-kv = the target prefills and hands its KV over (a few MiB through this process "
+        "per session); own = the draft prefills, in parallel with the target", choices=("target-kv", "own"))
+    speculation_max_sessions: int = setting(
+        0, "decode target-only while more than N sessions are generating: a busy batched target is compute-bound "
+        "and verifying drafts costs more than it saves (0 = always speculate)")
+    tree_budget: int = setting(
+        0, "tree speculation: the draft proposes a token tree of up to N nodes, verified in one target pass "
+        "(0 = chain)")
+    tree_branch: int = setting(0, "tree speculation: children of an uncertain node (0 = the draft's default, 2)")
+    tree_branch_below: float = setting(
+        0.0, "tree speculation: branch where the draft's top probability is below this (0 = default, 0.75)")
+    fallback_chunk: int = setting(
+        4, "tokens per target-only Decode call (degraded, paused by the draft length, or speculation off)")
+    draft_timeout_floor_ms: float = setting(100.0, "the shortest deadline of a Propose call")
+    draft_timeout_factor: float = setting(
+        2.0, "a Propose's deadline: this x the measured target step time (a slower draft is no help)")
+    draft_first_call_timeout_ms: float = setting(5000.0, cli=False)  # a replica's first call prefills the prompt
+    target_timeout_s: float = setting(30.0, cli=False)
+    target_grace_s: float = setting(30.0, "wait this long for a dead target to return")
+    store_grace_s: float = setting(10.0, "wait this long for Redis to return")
+
+
+@dataclass
+class ServerSettings:
+    """The orchestrator process: addresses, the session store, limits, failure handling, authentication."""
+    listen: str = setting("127.0.0.1:50050", "address of the public gRPC API")
+    http_listen: str = setting(
+        "127.0.0.1:8000", "the OpenAI-compatible HTTP API (docs/http.md) at HOST:PORT (port 0 = any free one; "
+        "'' = no HTTP API)")
+    target: str = setting("127.0.0.1:50052", "target service address")
+    draft: str = setting(
+        "127.0.0.1:50051", "draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
+        "the n-gram drafter inside this process (no Propose round trip); 'dns:///NAME:PORT' is every address NAME "
+        "resolves to, one replica each, re-resolved while running (--scale'd compose services, Kubernetes headless "
+        "Services)")
+    resolve_interval_s: float = setting(
+        5.0, "how often dns:/// draft addresses are resolved again (also soon after a replica fails)")
+    local_datastore: str = setting(
+        "auto", "n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` built one), "
+        "none, or a path")
+    redis: str = setting(
+        "redis://127.0.0.1:6379/0", "session store URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT]/"
+        "MASTER (failover; commits wait for the replicas), or 'memory'")
+    tokenizer: str | None = setting(None, "tokenizer spec (default: the target's model)")
+    max_new_tokens_limit: int = setting(2048, "the most tokens a request may ask for")
+    max_sessions: int = setting(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
+    session_ttl_s: int = setting(3600, "how long a session is kept in the store after its last write")
+    startup_timeout_s: float = setting(
+        60.0, "how long to wait at start for the target to answer (it may still be loading its model)")
+    session_lease_s: float = setting(
+        5.0, "a session's single-writer lease in Redis: a stream renews it every third of this; a crashed "
+        "orchestrator's sessions can be resumed elsewhere after at most this long")
+    breaker_open_s: float = setting(1.0, "how long a failed draft replica is skipped")
+    breaker_failures: int = setting(
+        2, "consecutive draft failures (timeouts, errors) that open a replica's breaker")
+    auth_tokens_file: str | None = setting(
+        help="file with one bearer token per line; when set, the public API requires one "
+        "(default: $SPECDEC_AUTH_TOKENS_FILE)",
+        default_factory=lambda: os.environ.get("SPECDEC_AUTH_TOKENS_FILE"))
+    tls_public_no_client_cert: bool = setting(
+        False, "public API over TLS without client certificates (bearer tokens authenticate instead)",
+        action="store_true")
+    admin_tokens_file: str | None = setting(
+        help="bearer tokens (one per line) that also see internal addresses in GetOutline "
+        "(default: $SPECDEC_ADMIN_TOKENS_FILE)",
+        default_factory=lambda: os.environ.get("SPECDEC_ADMIN_TOKENS_FILE"))
+    redis_password_file: str | None = setting(
+        help="the session store's password, read from this file (never from the command line) "
+        "(default: $SPECDEC_REDIS_PASSWORD_FILE)",
+        default_factory=lambda: os.environ.get("SPECDEC_REDIS_PASSWORD_FILE"))

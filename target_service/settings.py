@@ -1,0 +1,36 @@
+"""The target service's settings, each default written once: `specdec serve target`'s flags are generated from these
+fields (specdec/core/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.models import DEFAULT_TARGET
+from specdec.core.settings import DEVICE_HELP, DTYPE_HELP, MAX_DRAFT_LEN, setting
+
+
+@dataclass
+class TargetSettings:
+    model: str = setting(DEFAULT_TARGET, "model spec: smollm2, tiny:..., a local path, a .gguf file or an HF id")
+    listen: str = setting("127.0.0.1:50052", "address to serve on")
+    device: str = setting("auto", DEVICE_HELP)
+    dtype: str = setting("auto", DTYPE_HELP)
+    prepack: str = setting(
+        "auto", "fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify "
+        "block then costs little more than one decode step (auto: when torch has oneDNN)", choices=("auto", "on", "off"))
+    threads: int = setting(1, "torch intra-op threads")
+    max_sessions: int = setting(64, "KV caches kept (LRU)")
+    max_cache_mb: int = setting(4096, "KV cache bytes kept (LRU)")
+    max_draft_len: int = setting(MAX_DRAFT_LEN, "the most draft tokens one Verify may carry (advertised in GetInfo)")
+    batch_window_ms: float = setting(
+        0.0, "collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
+    max_batch: int = setting(16, "sessions whose steps one batched forward runs at most")
+    batch_wait_fraction: float = setting(
+        0.5, "a batch also waits for recently active sessions up to this fraction of the recent forward time (a job "
+        "that misses the batch waits for that forward anyway); 0 = the window only")
+    ragged_batch: str = setting(
+        "auto", "batched forwards attend to each session's own KV cache instead of a padded copy (auto: llama, qwen2, "
+        "qwen3 and mistral without sliding window; specdec/models/ragged_batch.py)", choices=("auto", "off"))
+    profile_forward: str = setting(
+        "on", "measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and report it "
+        "in GetInfo, for the orchestrator's adaptive draft length", choices=("on", "off"))
