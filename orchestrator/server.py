@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import math
 import os
@@ -27,7 +26,7 @@ from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
 from specdec.core import settings
 from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
-from specdec.core.security import is_loopback, read_secret, read_tokens, require_authentication, url_with_password
+from specdec.core.security import is_loopback, principal_of, read_secret, read_tokens, require_authentication, url_with_password
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -36,10 +35,6 @@ log = logging.getLogger("specdec.orchestrator")
 
 class IncompatibleModels(Exception):
     pass
-
-
-def principal_of(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 def check_compatible(target_info, draft_info) -> None:

@@ -9,20 +9,15 @@ draft length apply to chains only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import grpc
 
 from orchestrator.loop.accounting import record_verify
 from orchestrator.loop.draft_call import replica_limit
 from orchestrator.loop.state import GenerationError, LoopState
 
-if TYPE_CHECKING:
-    from orchestrator.loop.step import Step
-
 
 class TreeStrategy:
-    def __init__(self, state: LoopState, step: "Step"):
+    def __init__(self, state: LoopState, step):  # step: the Step that owns this strategy (loop/step.py)
         self.state, self.step = state, step
 
     def run(self, replica, k: int, remaining: int) -> tuple[list[int] | None, bool]:

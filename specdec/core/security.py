@@ -46,6 +46,13 @@ def is_loopback(address: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
+def principal_of(token: str) -> str:
+    """Who a bearer token stands for: its hash (sessions are owned by it; the token itself is never stored)."""
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
 def require_authentication(listen: str, authenticated: bool, insecure: bool, how: str) -> None:
     """Refuse to serve unauthenticated beyond loopback unless --insecure says the network is trusted."""
     if authenticated or insecure or is_loopback(listen):
