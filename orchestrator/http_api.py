@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.http_request import ApiError, Parsed, bad_request, parse_generate
+from orchestrator.http_request import (ApiError, Parsed, bad_request, check_keys, flag_param, number_param,
+                                       parse_generate)
 from specdec.core.security import principal_of
 from specdec.core.grpc_util import listen_error
 from specdec.v1 import orchestrator_pb2 as opb
@@ -333,17 +334,17 @@ def build_app(servicer):
             body = {}
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        _check_keys(body, {"resume_from", "stream", "stream_options", "object"})
+        check_keys(body, {"resume_from", "stream", "stream_options", "object"})
         kind = body.get("object", "chat.completion")
         if kind not in ("chat.completion", "text_completion"):
             raise bad_request('object must be "chat.completion" or "text_completion"', "object")
-        stream = _flag(body, "stream", True)
+        stream = flag_param(body, "stream", True)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad_request("stream_options supports include_usage only", "stream_options")
         req = opb.GenerateRequest(resume_session_id=session_id,
-                                  resume_from=_number(body, "resume_from", 0, 0, 2**32 - 1, integer=True))
-        return await run(request, Parsed(req, stream, _flag(options, "include_usage"), kind == "chat.completion"),
+                                  resume_from=number_param(body, "resume_from", 0, 0, 2**32 - 1, integer=True))
+        return await run(request, Parsed(req, stream, flag_param(options, "include_usage"), kind == "chat.completion"),
                          kind == "chat.completion")
 
     # -- operations --

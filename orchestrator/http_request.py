@@ -3,6 +3,7 @@ GenerateRequest a body becomes (orchestrator/http_api.py serves it)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -60,7 +61,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 # -- request parsing --------------------------------------------------------------------------------------------
 
-def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
+def number_param(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
     value = body.get(key)
     if value is None:
         return default
@@ -71,7 +72,7 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     return int(value) if integer else float(value)
 
 
-def _flag(body: dict, key: str, default: bool = False) -> bool:
+def flag_param(body: dict, key: str, default: bool = False) -> bool:
     value = body.get(key)
     if value is None:
         return default
@@ -80,7 +81,7 @@ def _flag(body: dict, key: str, default: bool = False) -> bool:
     return value
 
 
-def _token_ids(value, key: str, vocab_size: int) -> list[int]:
+def token_ids_param(value, key: str, vocab_size: int) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise bad_request(f"{key} must be a list of token ids", key)
     bad = [t for t in value if not 0 <= t < vocab_size]
@@ -89,7 +90,7 @@ def _token_ids(value, key: str, vocab_size: int) -> list[int]:
     return value
 
 
-def _check_keys(body: dict, allowed: set[str]) -> None:
+def check_keys(body: dict, allowed: set[str]) -> None:
     for key, value in body.items():
         if key in allowed:
             continue
@@ -100,7 +101,7 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
         raise bad_request(f"unsupported parameter {key!r}", key)
 
 
-def _messages(value) -> list[dict]:
+def messages_param(value) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -132,24 +133,24 @@ class Parsed:
         self.request, self.stream, self.include_usage, self.chat = request, stream, include_usage, chat
 
 
-def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name: str) -> Parsed:
+def parse_generate(servicer, body, chat: bool, model_name: str) -> Parsed:
     """An OpenAI request body as the gRPC GenerateRequest that means the same; the servicer validates the rest
     (limits, context length) exactly as for gRPC."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    _check_keys(body, CHAT if chat else COMPLETION)
+    check_keys(body, CHAT if chat else COMPLETION)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model is required", "model")
     if model != model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
                        "not_found_error", "model", "model_not_found")
-    if _number(body, "n", 1, 1, 2**31, integer=True) != 1:
+    if number_param(body, "n", 1, 1, 2**31, integer=True) != 1:
         raise bad_request("n must be 1: this server returns one choice per request", "n")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
-    stream = _flag(body, "stream")
+    stream = flag_param(body, "stream")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -157,14 +158,14 @@ def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name:
             raise bad_request("stream_options is only allowed with stream true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad_request("stream_options supports include_usage only", "stream_options")
-        include_usage = _flag(options, "include_usage")
+        include_usage = flag_param(options, "include_usage")
     req = opb.GenerateRequest(
-        temperature=_number(body, "temperature", 1.0, 0, 2),
-        top_p=_number(body, "top_p", 1.0, 0, 1),
-        top_k=_number(body, "top_k", 0, -1, 2**31 - 1, integer=True),
-        seed=_number(body, "seed", 0, -2**63, 2**64 - 1, integer=True) % 2**64,
-        ignore_eos=_flag(body, "ignore_eos"),
-        max_draft_len=_number(body, "max_draft_len", 0, 0, 2**31 - 1, integer=True),
+        temperature=number_param(body, "temperature", 1.0, 0, 2),
+        top_p=number_param(body, "top_p", 1.0, 0, 1),
+        top_k=number_param(body, "top_k", 0, -1, 2**31 - 1, integer=True),
+        seed=number_param(body, "seed", 0, -2**63, 2**64 - 1, integer=True) % 2**64,
+        ignore_eos=flag_param(body, "ignore_eos"),
+        max_draft_len=number_param(body, "max_draft_len", 0, 0, 2**31 - 1, integer=True),
     )
     if req.top_k == -1:
         req.top_k = 0  # vLLM's "no top-k"
@@ -176,7 +177,7 @@ def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name:
         raise bad_request("stop must be a non-empty string or a list of them", "stop")
     req.stop.extend(stop)
     if body.get("stop_token_ids") is not None:
-        req.stop_token_ids.extend(_token_ids(body["stop_token_ids"], "stop_token_ids", servicer.vocab_size))
+        req.stop_token_ids.extend(token_ids_param(body["stop_token_ids"], "stop_token_ids", servicer.vocab_size))
     speculation = body.get("speculation")
     if speculation not in (None, True, False, "on", "off", "default"):
         raise bad_request('speculation must be true, false, "on", "off" or "default"', "speculation")
@@ -185,12 +186,12 @@ def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name:
 
     # max_completion_tokens is chat's newer name for max_tokens; it wins when both are given.
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, None, 1, 2**32 - 1, integer=True)
+    max_tokens = number_param(body, key, None, 1, 2**32 - 1, integer=True)
     if chat:
         if servicer.tokenizer is None:
             raise bad_request("this orchestrator has no tokenizer: use /v1/completions with token ids", "messages")
         try:
-            ids = chat_prompt_ids(servicer.tokenizer, _messages(body.get("messages")))
+            ids = chat_prompt_ids(servicer.tokenizer, messages_param(body.get("messages")))
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         req.token_ids.ids.extend(ids)
@@ -204,7 +205,7 @@ def parse_generate(servicer: OrchestratorServicer, body, chat: bool, model_name:
         if isinstance(prompt, str):
             req.text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            req.token_ids.ids.extend(_token_ids(prompt, "prompt", servicer.vocab_size))
+            req.token_ids.ids.extend(token_ids_param(prompt, "prompt", servicer.vocab_size))
         elif isinstance(prompt, list) and prompt:
             raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
         else:
