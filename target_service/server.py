@@ -9,16 +9,16 @@ import grpc
 
 from specdec import cpu_affinity, telemetry, wire
 from specdec.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
-from specdec.kv_cache import SessionCacheStore
-from specdec.models import DEFAULT_TARGET, load_model
+from specdec.models import DEFAULT_TARGET
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine
+from target_service.engines import select as engines
+from target_service.engines.base import TargetBackend
 
 log = logging.getLogger("specdec.target")
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, max_decode_tokens: int = 64):
+    def __init__(self, engine: TargetBackend, max_decode_tokens: int = 64):
         self.engine = engine
         self.max_decode_tokens = max_decode_tokens
         loaded = engine.loaded
@@ -36,8 +36,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_fingerprint=loaded.kv_fingerprint,
         )
         component = {"specdec.component": "target"}
-        telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
-        telemetry.register_gauge("specdec.kv_cache.sessions", engine.store.__len__, "{session}",
+        telemetry.register_gauge("specdec.kv_cache.size", engine.cache_bytes, "By", "KV cache bytes held", component)
+        telemetry.register_gauge("specdec.kv_cache.sessions", engine.cached_sessions, "{session}",
                                  "sessions holding a KV cache", component)
 
     def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
@@ -133,7 +133,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.info
 
 
-def build_server(engine: TargetEngine, address: str, max_workers: int = 8) -> ServiceServer:
+def build_server(engine: TargetBackend, address: str, max_workers: int = 8) -> ServiceServer:
     server = ServiceServer(address, max_workers=max_workers)
     server.add(
         target_pb2_grpc.add_TargetServiceServicer_to_server,
@@ -151,7 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepack", choices=["auto", "on", "off"], default="auto",
                    help="fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify block then costs little more than one decode step "
                         "(auto: when torch has oneDNN)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1, help="compute threads (torch intra-op, or llama.cpp's)")
+    engines.add_arguments(p)
     p.add_argument("--max-sessions", type=int, default=64, help="KV caches kept (LRU)")
     p.add_argument("--max-cache-mb", type=int, default=4096, help="KV cache bytes kept (LRU)")
     p.add_argument("--max-draft-len", type=int, default=16)
@@ -182,11 +183,7 @@ def serve(args: argparse.Namespace) -> None:
     cpu_affinity.log_pinning(log, cpus, args.threads)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
-                        ragged=args.ragged_batch == "auto")
-    store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
-    engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
-                          max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction)
+    engine = engines.build_engine(args)
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
         rows = min(engine.max_batch, 4)
