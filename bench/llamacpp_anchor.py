@@ -13,21 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import numpy as np
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def llamacpp_direct_tps(gguf: str, prompts: list[list[int]], max_new: int, threads: int) -> float:
@@ -110,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     args = p.parse_args(argv)
     from bench.prompts import encode, select
+    from bench.runner import _cpu_model
     from specdec.models import load_tokenizer, smollm2_gguf_path
 
     gguf = str(smollm2_gguf_path())
@@ -128,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{threads} thread(s): llama.cpp {r['llamacpp_tokens_per_s']} tok/s; specdec target-only "
                   f"{r['specdec_target_only_tokens_per_s']} ({r['speedup_vs_llamacpp']['target_only']}x), "
                   f"speculative {r['specdec_speculative_tokens_per_s']} ({r['speedup_vs_llamacpp']['speculative']}x)")
-    result = {"machine": cpu_model(), "cores": os.cpu_count(), "model": os.path.basename(gguf),
+    result = {"machine": _cpu_model(), "cores": os.cpu_count(), "model": os.path.basename(gguf),
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 import torch
 
@@ -27,6 +26,8 @@ try:
     MISSING = None
 except ImportError as e:  # a failure, not a skip: CI must not pass without the engine it ships
     MISSING = f"llama_cpp cannot be imported ({e}); install it with scripts/bootstrap.sh (pip install llama-cpp-python)"
+
+pytestmark = pytest.mark.smollm2
 
 GREEDY = SamplingParams()
 PROMPTS = [
@@ -132,6 +133,7 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
         engine.release(sid)
 
 
+@pytest.mark.serial  # two sessions must meet in the batch window
 def test_concurrent_sessions_share_batches_through_the_batcher():
     batched = make_engine(batch_window_ms=50.0, max_batch=4)
     try:
@@ -167,7 +169,7 @@ def test_sampled_verification_keeps_the_target_distribution(engine):
     q = torch.zeros(engine.vocab_size)
     q[top[-3:]] = 0.25  # the target's least likely three, over-weighted
     q[(max(top) + 1) % engine.vocab_size] = 0.25  # and one token the target never emits
-    n = draws(1500)
+    n = draws(600)
     samples = []
     for seed in range(n):
         drafted = int(sampling.sample(q, sampling.make_generator(seed, "draft")))
@@ -182,6 +184,7 @@ def test_sampled_verification_keeps_the_target_distribution(engine):
     engine.release("p")
 
 
+@pytest.mark.serial
 def test_draft_killed_mid_generation_degrades_to_the_engines_target_only(redis_url, engine):
     stack = start_stack(redis_url, draft="ngram", target_engine=engine)
     try:
@@ -201,19 +204,38 @@ def test_draft_killed_mid_generation_degrades_to_the_engines_target_only(redis_u
         stack.stop()
 
 
-def test_tree_verification_is_refused_with_unimplemented(redis_url, engine):
-    from specdec.v1 import target_pb2, target_pb2_grpc
+def test_tree_verification_keeps_the_accepted_path_only(engine):
+    ids = prompt_ids(engine, PROMPTS[1])
+    engine.prefill("ref", 0, ids)
+    ref = engine.decode("ref", len(ids), [], 8, GREEDY, 0, 0)[0]
+    wrong = [(t + 1) % engine.vocab_size for t in ref]
+    # Root children: a wrong token (with a child) and the right one; under the right one: a wrong and the right
+    # next token, which has a right child (a leaf) and a wrong sibling branch of two.
+    tokens = [wrong[0], ref[0], wrong[1], wrong[1], ref[1], ref[2], wrong[2], wrong[3]]
+    parents = [-1, -1, 0, 1, 1, 4, 4, 6]
+    engine.prefill("tree", 0, ids)
+    out = engine.verify("tree", len(ids), [], tokens, None, GREEDY, 0, 0, tree_parents=parents)
+    assert (out.accepted_nodes, out.next_token, out.cached_len) == ((1, 4, 5), ref[3], len(ids) + 3)
+    seq_id = engine._sequences["tree"].seq_id
+    assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) + 2
+    for scratch in engine._scratch_ids[:5]:  # the scratch sequences are gone
+        assert llama_cpp.llama_memory_seq_pos_max(engine._mem, scratch) == -1
+    assert ref[:4] + greedy_continuation(engine, "tree", out.cached_len, out.next_token, 4) == ref
+    engine.release("ref")
+    engine.release("tree")
 
-    stack = start_stack(redis_url, draft=None, target_engine=engine)
+
+def test_tree_speculation_through_the_services_equals_target_only(redis_url, engine):
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, draft_timeout_floor_ms=5000, tree_budget=8)
+    stack = start_stack(redis_url, draft="ngram", target_engine=engine, cfg=cfg)
     try:
-        with grpc.insecure_channel(stack.target_server.address) as channel:
-            stub = target_pb2_grpc.TargetServiceStub(channel)
-            stub.Prefill(target_pb2.PrefillRequest(session_id="t", delta={"prefix_len": 0, "tokens": [1, 2, 3]}))
-            with pytest.raises(grpc.RpcError) as err:
-                stub.Verify(target_pb2.VerifyRequest(session_id="t", delta={"prefix_len": 3},
-                                                     tree={"tokens": [4, 5], "parents": [-1, -1]}))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "--engine torch" in err.value.details()
+        for prompt in PROMPTS:
+            ref = stack.client.generate(prompt, max_new_tokens=40, chat=True, speculation=False)
+            spec = stack.client.generate(prompt, max_new_tokens=40, chat=True)
+            assert spec.token_ids == ref.token_ids
+            assert spec.stats["verify_steps"] > 0
     finally:
         stack.stop()
 

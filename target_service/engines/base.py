@@ -12,19 +12,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-import grpc
 import torch
 
-from specdec.grpc_util import RpcAbort
 from specdec.sampling import SamplingParams
-
-
-class UnsupportedByEngine(RpcAbort):
-    """A request this engine cannot serve (e.g. tree verification on llama.cpp): UNIMPLEMENTED, with a
-    message naming the engine that can."""
-
-    def __init__(self, message: str):
-        super().__init__(grpc.StatusCode.UNIMPLEMENTED, message)
 
 
 class ModelDescription(Protocol):

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specdec import sampling
+from specdec import sampling, tree
 from specdec.kv_cache import CacheMiss, ContextTooLong
 from specdec.models import _eos_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome, decode_as_verify_steps, measure_profile
-from target_service.engines.base import UnsupportedByEngine
 
 log = logging.getLogger("specdec.target.llamacpp")
 
 INSTALL_HINT = "pip install llama-cpp-python (a one-time native build of a few minutes)"
+MAX_TREE_LEAVES = 64  # the target service's tree limit (TargetServicer.MAX_TREE_NODES): one scratch sequence each
 
 
 def import_llama_cpp():
@@ -84,14 +84,16 @@ class LlamaCppEngine:
             raise ValueError(f"llama.cpp could not load {path}")
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        # Session sequences; one spare so the profile never evicts a session.
-        self.max_sessions = max(1, min(max_sessions, int(llama_cpp.llama_max_parallel_sequences()) - 1))
+        # Sequence ids: the sessions', one for the profile (it never evicts a session), then a tree's scratch ones.
+        self.max_sessions = max(1, min(max_sessions,
+                                       int(llama_cpp.llama_max_parallel_sequences()) - 1 - MAX_TREE_LEAVES))
+        self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
         self.context_tokens = context_tokens
         self.batch_tokens = batch_tokens
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = context_tokens
         cparams.n_batch = cparams.n_ubatch = batch_tokens
-        cparams.n_seq_max = self.max_sessions + 1
+        cparams.n_seq_max = self.max_sessions + 1 + MAX_TREE_LEAVES
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = True  # one pool of cells for all sessions, not n_ctx / n_seq_max each
         cparams.no_perf = True
@@ -99,7 +101,7 @@ class LlamaCppEngine:
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {context_tokens} tokens")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
         head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
         # f16 keys and values (the context's default cache type)
         self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
@@ -196,25 +198,39 @@ class LlamaCppEngine:
             if len(seq.tokens) + len(tokens) > self.loaded.max_context:
                 raise ContextTooLong(f"context of {len(seq.tokens) + len(tokens)} tokens exceeds the limit of "
                                      f"{self.loaded.max_context}")
-        busy = {seq.session_id for seq, _, _ in rows}
-        need = sum(len(tokens) for _, tokens, _ in rows)
-        while sum(len(s.tokens) for s in self._sequences.values()) + need > self.context_tokens:
-            if not self._evict(keep=busy):
-                raise MemoryError(f"llama.cpp KV cache of {self.context_tokens} tokens is full")
-        entries = [(seq.seq_id, token, len(seq.tokens) + i, i >= len(tokens) - n_logits)
+        self._make_room(sum(len(tokens) for _, tokens, _ in rows), keep={seq.session_id for seq, _, _ in rows})
+        entries = [((seq.seq_id,), token, len(seq.tokens) + i, i >= len(tokens) - n_logits)
                    for seq, tokens, n_logits in rows for i, token in enumerate(tokens)]
-        starts = [(seq, len(seq.tokens)) for seq, _, _ in rows]
+        logits = self._decode(entries, [(seq.seq_id, len(seq.tokens)) for seq, _, _ in rows])
+        for seq, tokens, _ in rows:
+            seq.tokens.extend(tokens)
+        result, at = [], 0
+        for _, _, n_logits in rows:
+            result.append(logits[at:at + n_logits])
+            at += n_logits
+        return result
+
+    def _make_room(self, need: int, keep) -> None:
+        while sum(len(s.tokens) for s in self._sequences.values()) + need > self.context_tokens:
+            if not self._evict(keep=keep):
+                raise MemoryError(f"llama.cpp KV cache of {self.context_tokens} tokens is full")
+
+    def _decode(self, entries, rollback) -> np.ndarray:
+        """llama_decode `entries` (sequence ids, token, position, logits wanted) in order, batch by batch;
+        returns the wanted logits rows, float32 [n, vocab]. On failure every (seq_id, start) in `rollback` is
+        cut back to `start` (a failed decode may keep some of its ubatches) and the error raised."""
         out: list[np.ndarray] = []
         batch = self._batch
         try:
             for lo in range(0, len(entries), self.batch_tokens):
                 chunk = entries[lo:lo + self.batch_tokens]
                 n_out = 0
-                for j, (seq_id, token, pos, want) in enumerate(chunk):
+                for j, (seq_ids, token, pos, want) in enumerate(chunk):
                     batch.token[j] = token
                     batch.pos[j] = pos
-                    batch.n_seq_id[j] = 1
-                    batch.seq_id[j][0] = seq_id
+                    batch.n_seq_id[j] = len(seq_ids)
+                    for k, seq_id in enumerate(seq_ids):
+                        batch.seq_id[j][k] = seq_id
                     batch.logits[j] = want
                     n_out += want
                 batch.n_tokens = len(chunk)
@@ -227,17 +243,10 @@ class LlamaCppEngine:
                     ptr = self._ll.llama_get_logits(self._ctx)
                     out.append(np.ctypeslib.as_array(ptr, shape=(n_out, self._n_vocab)).copy())
         except BaseException:
-            for seq, start in starts:  # a failed decode may have kept some ubatches: back to the start
-                self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, start, -1)
+            for seq_id, start in rollback:
+                self._ll.llama_memory_seq_rm(self._mem, seq_id, start, -1)
             raise
-        for seq, tokens, _ in rows:
-            seq.tokens.extend(tokens)
-        logits = np.concatenate(out) if len(out) > 1 else out[0] if out else np.zeros((0, self._n_vocab), np.float32)
-        result, at = [], 0
-        for _, _, n_logits in rows:
-            result.append(logits[at:at + n_logits])
-            at += n_logits
-        return result
+        return np.concatenate(out) if len(out) > 1 else out[0] if out else np.zeros((0, self._n_vocab), np.float32)
 
     # ----- the TargetBackend interface -----
 
@@ -264,9 +273,8 @@ class LlamaCppEngine:
         """Several sessions' blocks in one llama_decode; each job gets its outcome or its error."""
         chains = []
         for job in jobs:
-            if job.tree_parents is not None:
-                job.error = UnsupportedByEngine("tree verification is not implemented by the llama.cpp engine; "
-                                                "serve the target with --engine torch for tree speculation")
+            if job.tree_parents is not None:  # a tree has its own sequences: one decode per tree
+                self._verify_tree(job)
             else:
                 chains.append(job)
         seen, first, later = set(), [], []
@@ -312,6 +320,59 @@ class LlamaCppEngine:
                 except Exception as e:  # noqa: BLE001
                     self._crop(seq, context_len)  # drop the unverified drafts
                     job.error = e
+
+    def _verify_tree(self, job: VerifyJob) -> None:
+        """A token tree in one llama_decode. Each leaf gets a scratch sequence, a copy of the session's (its cells
+        tagged, not duplicated); a node belongs to the scratch sequences of the leaves below it, the first of
+        them leading. llama.cpp shows a token the cells of its leading sequence up to its position: the context
+        and the node's ancestors, exactly the tree mask. The accepted path's cells are then tagged with the
+        session's sequence and the scratch sequences dropped."""
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                parents = tree.check_parents(job.tree_parents, len(job.draft_tokens))
+                kids, depth = tree.children(parents), tree.depths(parents)
+                leaves = [i for i in range(len(parents)) if not kids[i + 1]]
+                if len(leaves) > len(self._scratch_ids):
+                    raise ValueError(f"a tree of {len(leaves)} leaves exceeds this engine's {MAX_TREE_LEAVES}")
+                seq = self._sequence(job.session_id)
+                new = self._sync(seq, job.prefix_len, job.delta)
+                context_len = len(seq.tokens) + len(new)
+                if context_len + max(depth, default=-1) + 1 > self.loaded.max_context:
+                    raise ContextTooLong(f"context of {context_len + max(depth) + 1} tokens exceeds the limit of "
+                                         f"{self.loaded.max_context}")
+                self._make_room(len(new) + len(parents), keep={seq.session_id})
+            except Exception as e:  # noqa: BLE001 - reported to this job's caller
+                job.error = e
+                return
+            scratch = dict(zip(leaves, self._scratch_ids))
+            below: list[list[int]] = [[] for _ in parents]  # node -> the scratch sequences of its leaves
+            for i in reversed(range(len(parents))):  # children come after their parent
+                below[i] = [scratch[i]] if i in scratch else [s for c in kids[i + 1] for s in below[c]]
+            start = len(seq.tokens)
+            for sid in scratch.values():
+                self._ll.llama_memory_seq_cp(self._mem, seq.seq_id, sid, -1, -1)
+            entries = [((seq.seq_id, *scratch.values()), t, start + j, j == len(new) - 1) for j, t in enumerate(new)]
+            entries += [(tuple(below[i]), t, context_len + depth[i], True) for i, t in enumerate(job.draft_tokens)]
+            try:
+                logits = self._decode(entries, [(seq.seq_id, start)])
+                seq.tokens.extend(new)
+                gen = None if job.params.is_greedy else sampling.make_generator(job.seed, job.step, "verify")
+                # Row 0: the root (after the last context token); row i + 1: after node i.
+                result = sampling.verify_tree(torch.from_numpy(logits), job.draft_tokens, parents, job.draft_probs,
+                                              job.params, gen)
+                if result.path:  # the path's positions of a leaf below its last node: the accepted path
+                    self._ll.llama_memory_seq_cp(self._mem, below[result.path[-1]][0], seq.seq_id, context_len,
+                                                 context_len + len(result.path))
+                    seq.tokens.extend(job.draft_tokens[i] for i in result.path)
+                job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
+                                           (time.perf_counter() - t0) * 1e3, 1, tuple(result.path))
+            except Exception as e:  # noqa: BLE001
+                self._crop(seq, min(context_len, len(seq.tokens)))
+                job.error = e
+            finally:
+                for sid in scratch.values():
+                    self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
 
     def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
                stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
