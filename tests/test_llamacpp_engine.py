@@ -254,3 +254,32 @@ def test_engine_choice():
         pytest.fail(MISSING)
     assert choose_engine("auto", "smollm2", "cpu")[0] == "llamacpp"
     assert choose_engine("auto", str(smollm2_gguf_path()), "auto")[0] == "llamacpp"
+
+
+def test_serve_target_arguments_build_the_chosen_engine():
+    import argparse
+
+    from target_service.engine import TargetEngine
+    from target_service.engines.select import build_engine
+    from target_service.server import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    tiny = ["--model", "tiny:vocab=64,layers=1,hidden=32", "--device", "cpu"]
+    assert isinstance(build_engine(parser.parse_args(tiny)), TargetEngine)  # auto: not a GGUF
+    with pytest.raises(SystemExit, match="--engine llamacpp cannot serve this target: .* is not a GGUF"):
+        build_engine(parser.parse_args([*tiny, "--engine", "llamacpp"]))
+    if MISSING:
+        pytest.fail(MISSING)
+    from target_service.engines.llamacpp import LlamaCppEngine
+
+    engine = build_engine(parser.parse_args(["--model", "smollm2", "--max-sessions", "3", "--llama-context", "1024"]))
+    try:
+        assert isinstance(engine, LlamaCppEngine)
+        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 1024, 1024)
+        for i in range(4):  # a fourth session evicts the least recently used
+            engine.prefill(f"s{i}", 0, [1, 2, 3])
+        assert engine.cached_sessions() == 3 and "s0" not in engine and engine.evictions == 1
+        assert engine.cache_bytes() == 3 * 3 * engine.kv_bytes_per_token
+    finally:
+        engine.close()
