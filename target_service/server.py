@@ -11,17 +11,16 @@ from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
 from specdec.core import settings, wire
 from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
-from specdec.core.kv_cache import SessionCacheStore
-from specdec.models import DEFAULT_TARGET, load_model
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine
+from target_service.engines import select as engines
+from target_service.engines.base import TargetBackend
 from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target")
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, max_decode_tokens: int = 64):
+    def __init__(self, engine: TargetBackend, max_decode_tokens: int = 64):
         self.engine = engine
         self.max_decode_tokens = max_decode_tokens
         loaded = engine.loaded
@@ -40,8 +39,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_draft_len=engine.max_draft_len,
         )
         component = {"specdec.component": "target"}
-        telemetry.register_gauge("specdec.kv_cache.size", engine.store.total_bytes, "By", "KV cache bytes held", component)
-        telemetry.register_gauge("specdec.kv_cache.sessions", engine.store.__len__, "{session}",
+        telemetry.register_gauge("specdec.kv_cache.size", engine.cache_bytes, "By", "KV cache bytes held", component)
+        telemetry.register_gauge("specdec.kv_cache.sessions", engine.cached_sessions, "{session}",
                                  "sessions holding a KV cache", component)
 
     def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
@@ -137,7 +136,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.info
 
 
-def build_server(engine: TargetEngine, address: str, max_workers: int = 8) -> ServiceServer:
+def build_server(engine: TargetBackend, address: str, max_workers: int = 8) -> ServiceServer:
     server = ServiceServer(address, max_workers=max_workers)
     server.add(
         target_pb2_grpc.add_TargetServiceServicer_to_server,
@@ -168,11 +167,7 @@ def serve(args: argparse.Namespace) -> None:
     cpu_affinity.log_pinning(log, cpus, args.threads)
     configure_tls(tls_from_args(args))
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
-                        ragged=args.ragged_batch == "auto")
-    store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
-    engine = TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
-                          max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction)
+    engine = engines.build_engine(args)
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
         rows = min(engine.max_batch, 4)

@@ -18,7 +18,15 @@ class TargetSettings:
     prepack: str = setting(
         "auto", "fast CPU linear layers (native few-row GEMM, oneDNN-prepacked weights for larger batches): a verify "
         "block then costs little more than one decode step (auto: when torch has oneDNN)", choices=("auto", "on", "off"))
-    threads: int = setting(1, "torch intra-op threads")
+    threads: int = setting(1, "compute threads (torch intra-op, or llama.cpp's)")
+    # torch stays the default: with llama.cpp's forward cost nearly linear in tokens at one thread, speculation
+    # does not pay against it here, and the default int8 draft needs the torch target's KV (docs/engines.md).
+    engine: str = setting(
+        "torch", "inference engine: torch (any model, CPU or GPU, tree speculation, KV export to the int8 draft), "
+        "llamacpp (a GGUF in llama.cpp's quantized CPU kernels); auto: llamacpp for a GGUF on a CPU when "
+        "llama-cpp-python is installed, else torch", choices=("auto", "llamacpp", "torch"))
+    llama_context: int = setting(
+        16384, "llama.cpp engine: KV cache cells shared by all sessions (f16, 22.5 KiB a token for SmolLM2)")
     max_sessions: int = setting(64, "KV caches kept (LRU)")
     max_cache_mb: int = setting(4096, "KV cache bytes kept (LRU)")
     max_draft_len: int = setting(MAX_DRAFT_LEN, "the most draft tokens one Verify may carry (advertised in GetInfo)")

@@ -109,10 +109,15 @@ def start_draft(spec: str, address: str = "127.0.0.1:0", sessions: int = 64, inj
 def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | None = "ngram", draft_len: int = 4,
                 target_sessions: int = 64, draft_sessions: int = 64, cfg: LoopConfig | None = None,
                 max_new_tokens_limit: int = 512, batch_window_ms: float = 0.0,
-                forward_ms: list[float] | str | None = None, **servicer_kwargs) -> Stack:
-    """forward_ms: the target's reported forward-cost profile ("measure": measured like `serve target` does)."""
-    tl = model(target)
-    engine = TargetEngine(tl, SessionCacheStore(max_sessions=target_sessions), batch_window_ms=batch_window_ms)
+                forward_ms: list[float] | str | None = None, target_engine=None, **servicer_kwargs) -> Stack:
+    """forward_ms: the target's reported forward-cost profile ("measure": measured like `serve target` does).
+    target_engine: a built backend (e.g. the llama.cpp engine) to serve instead of a TargetEngine of `target`."""
+    if target_engine is None:
+        engine = TargetEngine(model(target), SessionCacheStore(max_sessions=target_sessions),
+                              batch_window_ms=batch_window_ms)
+    else:
+        engine = target_engine
+    tl = engine.loaded
     if forward_ms is not None:
         engine.forward_ms = engine.profile_forward_ms(17) if forward_ms == "measure" else list(forward_ms)
     tsrv = build_target_server(engine, "127.0.0.1:0").start()

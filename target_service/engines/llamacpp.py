@@ -1,0 +1,422 @@
+"""llama.cpp as the target's engine (`specdec serve target --engine llamacpp`): the GGUF runs in llama.cpp's own
+quantized CPU kernels instead of being dequantized to float32 for PyTorch.
+
+One llama context holds every session: a session is a sequence (seq_id) in a unified KV cache of
+`context_tokens` cells. A Verify is one llama_decode of the new context tokens plus the draft block, with
+logits for the block's rows; the verdict is specdec.core.sampling's (the same code as the PyTorch engine), and the
+rejected positions leave the sequence (llama_memory_seq_rm). The batcher's jobs from several sessions go into
+the same llama_decode. Target-only decoding is a Verify of an empty block, so it runs the same code path."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import pathlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specdec.core import sampling
+from specdec.core import tree
+from specdec.core.kv_cache import CacheMiss, ContextTooLong
+from specdec.models import _eos_ids, load_tokenizer, tokenizer_fingerprint
+from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome, decode_as_verify_steps, measure_profile
+
+log = logging.getLogger("specdec.target.llamacpp")
+
+INSTALL_HINT = "pip install llama-cpp-python (a one-time native build of a few minutes)"
+MAX_TREE_LEAVES = 64  # the target service's tree limit (TargetServicer.MAX_TREE_NODES): one scratch sequence each
+
+
+def import_llama_cpp():
+    """The llama_cpp module, or ImportError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ImportError(f"the llama.cpp engine needs the llama_cpp module ({e}); {INSTALL_HINT}") from e
+    return llama_cpp
+
+
+@dataclass
+class LlamaModelInfo:
+    """GetInfo's view of the GGUF (the fields of specdec.models.LoadedModel the service reports)."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    fingerprint: str
+    tokenizer: object
+    device: str = "cpu"
+    dtype: str = "gguf"
+    kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
+
+
+@dataclass
+class _Sequence:
+    session_id: str
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class LlamaCppEngine:
+    """The target_service.engines.base.TargetBackend interface on llama.cpp."""
+
+    def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 16384,
+                 max_sessions: int = 64, max_draft_len: int = 16, batch_window_ms: float = 0.0, max_batch: int = 16,
+                 batch_wait_fraction: float = 0.5, batch_tokens: int = 512):
+        llama_cpp = import_llama_cpp()
+        self._ll = llama_cpp
+        from llama_cpp import _logger
+
+        _logger.set_verbose(False)  # llama.cpp's load chatter off; its errors still reach stderr
+        llama_cpp.llama_backend_init()
+        path = pathlib.Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} not found")
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        # Sequence ids: the sessions', one for the profile (it never evicts a session), then a tree's scratch ones.
+        self.max_sessions = max(1, min(max_sessions,
+                                       int(llama_cpp.llama_max_parallel_sequences()) - 1 - MAX_TREE_LEAVES))
+        self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
+        self.context_tokens = context_tokens
+        self.batch_tokens = batch_tokens
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = context_tokens
+        cparams.n_batch = cparams.n_ubatch = batch_tokens
+        cparams.n_seq_max = self.max_sessions + 1 + MAX_TREE_LEAVES
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # one pool of cells for all sessions, not n_ctx / n_seq_max each
+        cparams.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise MemoryError(f"llama.cpp could not create a context of {context_tokens} tokens")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
+        head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
+        # f16 keys and values (the context's default cache type)
+        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
+            llama_cpp.llama_model_n_head_kv(self._model) * head_dim
+        tok = load_tokenizer(str(path))
+        eos = _eos_ids(None, tok)
+        for special in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)):
+            if 0 <= special and special not in eos:
+                eos.append(int(special))
+        desc = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self._model, desc, len(desc))
+        self.loaded = LlamaModelInfo(
+            name=name, vocab_size=self._n_vocab,
+            max_context=min(int(llama_cpp.llama_model_n_ctx_train(self._model)), context_tokens),
+            eos_token_ids=eos, fingerprint=tokenizer_fingerprint(tok), tokenizer=tok,
+            dtype="llama.cpp " + desc.value.decode(errors="replace"))
+        self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
+        self._sequences: OrderedDict[str, _Sequence] = OrderedDict()  # LRU order
+        self._free_ids = list(range(self.max_sessions + 1))
+        self.evictions = 0
+        self.max_draft_len = max_draft_len
+        self.forward_ms: list[float] = []
+        self.batcher = (VerifyBatcher(self, batch_window_ms, max_batch, wait_fraction=batch_wait_fraction)
+                        if batch_window_ms > 0 else None)
+        self.max_batch = max_batch if self.batcher is not None else 1
+        log.info("llama.cpp engine: %s, %d threads, %d sessions in %d KV cells", path.name, threads,
+                 self.max_sessions, context_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ctx:
+                self._ll.llama_batch_free(self._batch)
+                self._ll.llama_free(self._ctx)
+                self._ll.llama_model_free(self._model)
+                self._ctx = self._model = None
+
+    # ----- sessions (call with self._lock held) -----
+
+    def _sequence(self, session_id: str) -> _Sequence:
+        seq = self._sequences.get(session_id)
+        if seq is not None:
+            self._sequences.move_to_end(session_id)
+            return seq
+        if len(self._sequences) >= self.max_sessions:
+            self._evict(keep=())
+        seq = _Sequence(session_id, self._free_ids.pop())
+        self._sequences[session_id] = seq
+        return seq
+
+    def _evict(self, keep) -> bool:
+        """Drop the least recently used session not in `keep`; False when there is none."""
+        victim = next((sid for sid in self._sequences if sid not in keep), None)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        log.info("evicted session cache", extra={"session_id": victim})
+        return True
+
+    def _drop(self, session_id: str) -> bool:
+        seq = self._sequences.pop(session_id, None)
+        if seq is None:
+            return False
+        self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
+        self._free_ids.append(seq.seq_id)
+        return True
+
+    def _crop(self, seq: _Sequence, length: int) -> None:
+        if length < len(seq.tokens):
+            if not self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, length, -1):
+                raise RuntimeError(f"llama.cpp could not crop session {seq.session_id} to {length} tokens")
+            del seq.tokens[length:]
+
+    def _sync(self, seq: _Sequence, prefix_len: int, delta: list[int]) -> list[int]:
+        """Crop to prefix_len and return the tokens to feed next (never empty): as CachedLM.sync."""
+        if prefix_len > len(seq.tokens):
+            raise CacheMiss(seq.session_id, len(seq.tokens), prefix_len)
+        self._crop(seq, prefix_len)
+        if not delta:
+            if not seq.tokens:
+                raise ValueError("no tokens: the context is empty")
+            delta = [seq.tokens[-1]]  # its logits are not kept: feed it again
+            self._crop(seq, len(seq.tokens) - 1)
+        return list(delta)
+
+    def _forward(self, rows: list[tuple[_Sequence, list[int], int]]) -> list[np.ndarray]:
+        """Append each row's tokens to its sequence in as few llama_decode calls as the batch size allows;
+        returns each row's logits for its last n_logits tokens, float32 [n_logits, vocab]."""
+        for seq, tokens, _ in rows:
+            if len(seq.tokens) + len(tokens) > self.loaded.max_context:
+                raise ContextTooLong(f"context of {len(seq.tokens) + len(tokens)} tokens exceeds the limit of "
+                                     f"{self.loaded.max_context}")
+        self._make_room(sum(len(tokens) for _, tokens, _ in rows), keep={seq.session_id for seq, _, _ in rows})
+        entries = [((seq.seq_id,), token, len(seq.tokens) + i, i >= len(tokens) - n_logits)
+                   for seq, tokens, n_logits in rows for i, token in enumerate(tokens)]
+        logits = self._decode(entries, [(seq.seq_id, len(seq.tokens)) for seq, _, _ in rows])
+        for seq, tokens, _ in rows:
+            seq.tokens.extend(tokens)
+        result, at = [], 0
+        for _, _, n_logits in rows:
+            result.append(logits[at:at + n_logits])
+            at += n_logits
+        return result
+
+    def _make_room(self, need: int, keep) -> None:
+        while sum(len(s.tokens) for s in self._sequences.values()) + need > self.context_tokens:
+            if not self._evict(keep=keep):
+                raise MemoryError(f"llama.cpp KV cache of {self.context_tokens} tokens is full")
+
+    def _decode(self, entries, rollback) -> np.ndarray:
+        """llama_decode `entries` (sequence ids, token, position, logits wanted) in order, batch by batch;
+        returns the wanted logits rows, float32 [n, vocab]. On failure every (seq_id, start) in `rollback` is
+        cut back to `start` (a failed decode may keep some of its ubatches) and the error raised."""
+        out: list[np.ndarray] = []
+        batch = self._batch
+        try:
+            for lo in range(0, len(entries), self.batch_tokens):
+                chunk = entries[lo:lo + self.batch_tokens]
+                n_out = 0
+                for j, (seq_ids, token, pos, want) in enumerate(chunk):
+                    batch.token[j] = token
+                    batch.pos[j] = pos
+                    batch.n_seq_id[j] = len(seq_ids)
+                    for k, seq_id in enumerate(seq_ids):
+                        batch.seq_id[j][k] = seq_id
+                    batch.logits[j] = want
+                    n_out += want
+                batch.n_tokens = len(chunk)
+                rc = self._ll.llama_decode(self._ctx, batch)
+                if rc == 1:
+                    raise MemoryError("llama.cpp found no KV cache slot for the batch")
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed (code {rc})")
+                if n_out:
+                    ptr = self._ll.llama_get_logits(self._ctx)
+                    out.append(np.ctypeslib.as_array(ptr, shape=(n_out, self._n_vocab)).copy())
+        except BaseException:
+            for seq_id, start in rollback:
+                self._ll.llama_memory_seq_rm(self._mem, seq_id, start, -1)
+            raise
+        return np.concatenate(out) if len(out) > 1 else out[0] if out else np.zeros((0, self._n_vocab), np.float32)
+
+    # ----- the TargetBackend interface -----
+
+    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+        with self._lock:
+            seq = self._sequence(session_id)
+            if delta or prefix_len < len(seq.tokens):
+                self._forward([(seq, self._sync(seq, prefix_len, delta), 0)])
+            return len(seq.tokens)
+
+    def verify(self, session_id, prefix_len, delta, draft_tokens, draft_probs, params, seed, step,
+               tree_parents=None) -> VerifyOutcome:
+        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step,
+                        None if tree_parents is None else list(tree_parents))
+        return self._submit(job)
+
+    def _submit(self, job: VerifyJob) -> VerifyOutcome:
+        if self.batcher is not None:
+            return self.batcher.submit(job)
+        self.verify_many([job])
+        return job.outcome()
+
+    def verify_many(self, jobs: list[VerifyJob]) -> None:
+        """Several sessions' blocks in one llama_decode; each job gets its outcome or its error."""
+        chains = []
+        for job in jobs:
+            if job.tree_parents is not None:  # a tree has its own sequences: one decode per tree
+                self._verify_tree(job)
+            else:
+                chains.append(job)
+        seen, first, later = set(), [], []
+        for job in chains:  # two blocks of one session cannot share a forward: the second goes next
+            (later if job.session_id in seen else first).append(job)
+            seen.add(job.session_id)
+        if first:
+            self._verify_batch(first)
+        if later:
+            self.verify_many(later)
+
+    def _verify_batch(self, jobs: list[VerifyJob]) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            ready = []
+            for job in jobs:
+                try:
+                    seq = self._sequence(job.session_id)
+                    new = self._sync(seq, job.prefix_len, job.delta)
+                    ready.append((seq, job, new, len(seq.tokens) + len(new)))
+                except Exception as e:  # noqa: BLE001 - reported to that job's caller only
+                    job.error = e
+            if not ready:
+                return
+            try:
+                all_logits = self._forward([(seq, new + job.draft_tokens, len(job.draft_tokens) + 1)
+                                            for seq, job, new, _ in ready])
+            except Exception as e:  # noqa: BLE001 - the forward failed: every job in it fails
+                for _, job, _, _ in ready:
+                    job.error = e
+                return
+            for (seq, job, _, context_len), logits in zip(ready, all_logits):
+                try:
+                    gen = job.generator
+                    if gen is None and not job.params.is_greedy:
+                        gen = sampling.make_generator(job.seed, job.step, "verify")
+                    # Row i predicts draft token i; the last row predicts the bonus token.
+                    result = sampling.verify(torch.from_numpy(logits), job.draft_tokens, job.draft_probs,
+                                             job.params, gen)
+                    self._crop(seq, context_len + result.num_accepted)  # the next token has no KV yet
+                    job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
+                                               (time.perf_counter() - t0) * 1e3, len(ready))
+                except Exception as e:  # noqa: BLE001
+                    self._crop(seq, context_len)  # drop the unverified drafts
+                    job.error = e
+
+    def _verify_tree(self, job: VerifyJob) -> None:
+        """A token tree in one llama_decode. Each leaf gets a scratch sequence, a copy of the session's (its cells
+        tagged, not duplicated); a node belongs to the scratch sequences of the leaves below it, the first of
+        them leading. llama.cpp shows a token the cells of its leading sequence up to its position: the context
+        and the node's ancestors, exactly the tree mask. The accepted path's cells are then tagged with the
+        session's sequence and the scratch sequences dropped."""
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                parents = tree.check_parents(job.tree_parents, len(job.draft_tokens))
+                kids, depth = tree.children(parents), tree.depths(parents)
+                leaves = [i for i in range(len(parents)) if not kids[i + 1]]
+                if len(leaves) > len(self._scratch_ids):
+                    raise ValueError(f"a tree of {len(leaves)} leaves exceeds this engine's {MAX_TREE_LEAVES}")
+                seq = self._sequence(job.session_id)
+                new = self._sync(seq, job.prefix_len, job.delta)
+                context_len = len(seq.tokens) + len(new)
+                if context_len + max(depth, default=-1) + 1 > self.loaded.max_context:
+                    raise ContextTooLong(f"context of {context_len + max(depth) + 1} tokens exceeds the limit of "
+                                         f"{self.loaded.max_context}")
+                self._make_room(len(new) + len(parents), keep={seq.session_id})
+            except Exception as e:  # noqa: BLE001 - reported to this job's caller
+                job.error = e
+                return
+            scratch = dict(zip(leaves, self._scratch_ids))
+            below: list[list[int]] = [[] for _ in parents]  # node -> the scratch sequences of its leaves
+            for i in reversed(range(len(parents))):  # children come after their parent
+                below[i] = [scratch[i]] if i in scratch else [s for c in kids[i + 1] for s in below[c]]
+            start = len(seq.tokens)
+            for sid in scratch.values():
+                self._ll.llama_memory_seq_cp(self._mem, seq.seq_id, sid, -1, -1)
+            entries = [((seq.seq_id, *scratch.values()), t, start + j, j == len(new) - 1) for j, t in enumerate(new)]
+            entries += [(tuple(below[i]), t, context_len + depth[i], True) for i, t in enumerate(job.draft_tokens)]
+            try:
+                logits = self._decode(entries, [(seq.seq_id, start)])
+                seq.tokens.extend(new)
+                gen = None if job.params.is_greedy else sampling.make_generator(job.seed, job.step, "verify")
+                # Row 0: the root (after the last context token); row i + 1: after node i.
+                result = sampling.verify_tree(torch.from_numpy(logits), job.draft_tokens, parents, job.draft_probs,
+                                              job.params, gen)
+                if result.path:  # the path's positions of a leaf below its last node: the accepted path
+                    self._ll.llama_memory_seq_cp(self._mem, below[result.path[-1]][0], seq.seq_id, context_len,
+                                                 context_len + len(result.path))
+                    seq.tokens.extend(job.draft_tokens[i] for i in result.path)
+                job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
+                                           (time.perf_counter() - t0) * 1e3, 1, tuple(result.path))
+            except Exception as e:  # noqa: BLE001
+                self._crop(seq, min(context_len, len(seq.tokens)))
+                job.error = e
+            finally:
+                for sid in scratch.values():
+                    self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
+
+    def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
+               stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
+        return decode_as_verify_steps(self._submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
+                                      stop_token_ids)
+
+    def release(self, session_id: str) -> bool:
+        if self.batcher is not None:
+            self.batcher.forget(session_id)
+        with self._lock:
+            return self._drop(session_id)
+
+    def export_kv(self, session_id: str, max_bytes: int) -> None:
+        return None  # llama.cpp's cache layout is not the wire's (loaded.kv_fingerprint is empty)
+
+    def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
+        """As TargetEngine.profile_forward_ms: one forward over n tokens with logits for all n, after `context`."""
+        vocab = self._n_vocab
+        with self._lock:
+            seq = _Sequence("\x00profile", self._free_ids.pop())  # the spare sequence: no session is evicted
+            try:
+                self._forward([(seq, [(7 * i + 1) % vocab for i in range(context)], 1)])
+
+                def forward_ms(n: int) -> float:
+                    t0 = time.perf_counter()
+                    self._forward([(seq, [(3 * j + 2) % vocab for j in range(n)], n)])
+                    dt = (time.perf_counter() - t0) * 1e3
+                    self._crop(seq, context)
+                    return dt
+
+                return measure_profile(forward_ms, max_tokens, reps)
+            finally:
+                self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
+                self._free_ids.append(seq.seq_id)
+
+    def cache_bytes(self) -> int:
+        with self._lock:
+            return self.kv_bytes_per_token * sum(len(s.tokens) for s in self._sequences.values())
+
+    def cached_sessions(self) -> int:
+        with self._lock:
+            return len(self._sequences)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sequences

@@ -1,0 +1,286 @@
+"""The llama.cpp target engine (target_service/engines/llamacpp.py) on the real SmolLM2 GGUF: speculative greedy
+output through the services and the orchestrator equals the same engine's target-only output; a rejected block
+leaves the sequence's cache as if it was never drafted; several sessions verify in one llama_decode with the
+results each gets alone; sampling keeps the target's distribution; a killed draft degrades to target-only.
+
+These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-python): without it they FAIL."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from orchestrator.clients import TargetClient
+from specdec.core import sampling
+from specdec.models import smollm2_gguf_path
+from specdec.core.sampling import SamplingParams
+from target_service.engine import VerifyJob
+from tests.harness import start_stack
+from tests.stats import chi_square_test, draws
+
+try:
+    import llama_cpp  # noqa: F401
+
+    MISSING = None
+except ImportError as e:  # a failure, not a skip: CI must not pass without the engine it ships
+    MISSING = f"llama_cpp cannot be imported ({e}); install it with scripts/bootstrap.sh (pip install llama-cpp-python)"
+
+pytestmark = pytest.mark.smollm2
+
+GREEDY = SamplingParams()
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List the days of the week, one per line, then list them again in reverse order.",
+]
+
+
+def make_engine(**kw):
+    if MISSING:
+        pytest.fail(MISSING)
+    from target_service.engines.llamacpp import LlamaCppEngine
+
+    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, context_tokens=4096, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine()
+    yield e
+    e.close()
+
+
+def prompt_ids(engine, text: str) -> list[int]:
+    ids = engine.loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+
+def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, engine):
+    stack = start_stack(redis_url, draft="ngram", target_engine=engine)
+    try:
+        proposed = accepted = 0
+        for prompt in PROMPTS:
+            ref = stack.client.generate(prompt, max_new_tokens=48, chat=True, speculation=False)
+            spec = stack.client.generate(prompt, max_new_tokens=48, chat=True, max_draft_len=4)
+            assert spec.token_ids == ref.token_ids
+            assert len(ref.text) > 20
+            assert spec.stats["verify_steps"] > 0
+            proposed += spec.stats["draft_tokens_proposed"]
+            accepted += spec.stats["draft_tokens_accepted"]
+        assert 0 < accepted < proposed  # both the accept and the reject path ran
+        assert TargetClient(stack.target_server.address).info().dtype.startswith("llama.cpp")
+    finally:
+        stack.stop()
+
+
+def greedy_continuation(engine, sid: str, prefix_len: int, first: int, n: int) -> list[int]:
+    tokens, _, _ = engine.decode(sid, prefix_len, [first], n, GREEDY, 0, 0)
+    return tokens
+
+
+def test_rejected_block_leaves_the_cache_as_a_fresh_session(engine):
+    ids = prompt_ids(engine, PROMPTS[0])
+    engine.prefill("fresh", 0, ids)
+    expected = engine.decode("fresh", len(ids), [], 12, GREEDY, 0, 0)[0]
+    # A block whose first token is wrong: nothing accepted, 4 drafted positions must leave the sequence.
+    wrong = (expected[0] + 1) % engine.vocab_size
+    engine.prefill("crop", 0, ids)
+    out = engine.verify("crop", len(ids), [], [wrong, 5, 6, 7], None, GREEDY, 0, 0)
+    assert (out.num_accepted, out.next_token, out.cached_len) == (0, expected[0], len(ids))
+    seq_id = engine._sequences["crop"].seq_id
+    assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) - 1
+    # Two right tokens then a wrong one: two accepted, the rest cropped.
+    block = [*expected[1:3], (expected[3] + 1) % engine.vocab_size, 9]
+    out = engine.verify("crop", len(ids), [expected[0]], block, None, GREEDY, 0, 1)
+    assert (out.num_accepted, out.next_token, out.cached_len) == (2, expected[3], len(ids) + 3)
+    assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) + 2
+    rest = greedy_continuation(engine, "crop", out.cached_len, out.next_token, 8)
+    assert expected[:4] + rest == expected
+    for sid in ("fresh", "crop"):
+        assert engine.release(sid)
+    assert "crop" not in engine and not engine.release("crop")
+
+
+def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
+    prompts = [prompt_ids(engine, p) for p in PROMPTS]
+    alone = []
+    for i, ids in enumerate(prompts):
+        engine.prefill(f"alone{i}", 0, ids)
+        ref = engine.decode(f"alone{i}", len(ids), [], 6, GREEDY, 0, 0)[0]
+        block = ref[:2] + [(ref[2] + 1) % engine.vocab_size]  # 2 accepted, then a correction
+        alone.append((ids, ref, block))
+    jobs = []
+    for i, (ids, _, block) in enumerate(alone):
+        engine.prefill(f"both{i}", 0, ids[:-3])  # the rest arrives with the block, as a Verify's delta
+        jobs.append(VerifyJob(f"both{i}", len(ids) - 3, ids[-3:], block, None, GREEDY, 0, 0))
+    calls = []
+    forward = engine._forward
+    engine._forward = lambda rows: calls.append(len(rows)) or forward(rows)
+    try:
+        engine.verify_many(jobs)
+    finally:
+        del engine._forward
+    assert calls == [2]  # one llama_decode for both sessions' rows
+    for job, (ids, ref, _) in zip(jobs, alone):
+        out = job.outcome()
+        assert (out.num_accepted, out.next_token, out.batch_size) == (2, ref[2], 2)
+        assert out.cached_len == len(ids) + 2
+        rest = greedy_continuation(engine, job.session_id, out.cached_len, out.next_token, 3)
+        assert ref[:3] + rest == ref
+    for sid in ("alone0", "alone1", "both0", "both1"):
+        engine.release(sid)
+
+
+@pytest.mark.serial  # two sessions must meet in the batch window
+def test_concurrent_sessions_share_batches_through_the_batcher():
+    batched = make_engine(batch_window_ms=50.0, max_batch=4)
+    try:
+        ids = [prompt_ids(batched, p) for p in PROMPTS]
+        solo = [batched.decode(f"solo{i}", 0, p, 10, GREEDY, 0, 0)[0] for i, p in enumerate(ids)]
+        results: dict[int, list[int]] = {}
+
+        def run(i):
+            results[i] = batched.decode(f"pair{i}", 0, ids[i], 10, GREEDY, 0, 0)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[0], results[1]] == solo
+        assert batched.batcher.batched_jobs > batched.batcher.batches  # some forward held both sessions
+    finally:
+        batched.close()
+
+
+def test_sampled_verification_keeps_the_target_distribution(engine):
+    """One drafted token from a deliberately wrong q: the token the step emits (the draft if accepted, else
+    the correction) is distributed as the target's own warped distribution p; chi-square at alpha 1e-3."""
+    params = SamplingParams(temperature=1.0, top_k=6)
+    ids = prompt_ids(engine, "Name a colour.")
+    engine.prefill("p", 0, ids)
+    with engine._lock:
+        seq = engine._sequence("p")
+        row = engine._forward([(seq, engine._sync(seq, len(ids), []), 1)])[0]
+    p = sampling.warp_probs(torch.from_numpy(row[0]), params)
+    top = torch.topk(p, 6).indices.tolist()
+    q = torch.zeros(engine.vocab_size)
+    q[top[-3:]] = 0.25  # the target's least likely three, over-weighted
+    q[(max(top) + 1) % engine.vocab_size] = 0.25  # and one token the target never emits
+    n = draws(600)
+    samples = []
+    for seed in range(n):
+        drafted = int(sampling.sample(q, sampling.make_generator(seed, "draft")))
+        out = engine.verify("p", len(ids), [], [drafted], q[None], params, seed, 0)
+        samples.append(drafted if out.num_accepted else out.next_token)
+    expected = {t: float(p[t]) for t in top}
+    _, p_value = chi_square_test(samples, expected)
+    assert p_value > 1e-3
+    # The test has power: an accept-all verifier emits q's tokens.
+    accept_all = [int(sampling.sample(q, sampling.make_generator(seed, "draft"))) for seed in range(200)]
+    assert chi_square_test(accept_all, expected)[1] < 1e-3
+    engine.release("p")
+
+
+@pytest.mark.serial
+def test_draft_killed_mid_generation_degrades_to_the_engines_target_only(redis_url, engine):
+    stack = start_stack(redis_url, draft="ngram", target_engine=engine)
+    try:
+        prompt = PROMPTS[1]
+        ref = stack.client.generate(prompt, max_new_tokens=40, chat=True, speculation=False).token_ids
+        tokens, stats, killed = [], None, False
+        for msg in stack.client.stream(prompt, max_new_tokens=40, chat=True, max_draft_len=4):
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if not killed and len(tokens) >= 8:
+                killed = True
+                stack.draft_servers[0].stop(0)
+        assert tokens == ref
+        assert stats.fallback_steps > 0 and stats.fallback_tokens > 0
+    finally:
+        stack.stop()
+
+
+def test_tree_verification_keeps_the_accepted_path_only(engine):
+    ids = prompt_ids(engine, PROMPTS[1])
+    engine.prefill("ref", 0, ids)
+    ref = engine.decode("ref", len(ids), [], 8, GREEDY, 0, 0)[0]
+    wrong = [(t + 1) % engine.vocab_size for t in ref]
+    # Root children: a wrong token (with a child) and the right one; under the right one: a wrong and the right
+    # next token, which has a right child (a leaf) and a wrong sibling branch of two.
+    tokens = [wrong[0], ref[0], wrong[1], wrong[1], ref[1], ref[2], wrong[2], wrong[3]]
+    parents = [-1, -1, 0, 1, 1, 4, 4, 6]
+    engine.prefill("tree", 0, ids)
+    out = engine.verify("tree", len(ids), [], tokens, None, GREEDY, 0, 0, tree_parents=parents)
+    assert (out.accepted_nodes, out.next_token, out.cached_len) == ((1, 4, 5), ref[3], len(ids) + 3)
+    seq_id = engine._sequences["tree"].seq_id
+    assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) + 2
+    for scratch in engine._scratch_ids[:5]:  # the scratch sequences are gone
+        assert llama_cpp.llama_memory_seq_pos_max(engine._mem, scratch) == -1
+    assert ref[:4] + greedy_continuation(engine, "tree", out.cached_len, out.next_token, 4) == ref
+    engine.release("ref")
+    engine.release("tree")
+
+
+def test_tree_speculation_through_the_services_equals_target_only(redis_url, engine):
+    from orchestrator.generation import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, draft_timeout_floor_ms=5000, tree_budget=8)
+    stack = start_stack(redis_url, draft="ngram", target_engine=engine, cfg=cfg)
+    try:
+        for prompt in PROMPTS:
+            ref = stack.client.generate(prompt, max_new_tokens=40, chat=True, speculation=False)
+            spec = stack.client.generate(prompt, max_new_tokens=40, chat=True)
+            assert spec.token_ids == ref.token_ids
+            assert spec.stats["verify_steps"] > 0
+    finally:
+        stack.stop()
+
+
+def test_engine_choice():
+    from target_service.engines.select import choose_engine
+
+    assert choose_engine("torch", "smollm2", "cpu")[0] == "torch"
+    backend, why = choose_engine("auto", "tiny:vocab=64", "cpu")
+    assert backend == "torch" and "not a GGUF" in why
+    with pytest.raises(ValueError, match="not a GGUF"):
+        choose_engine("llamacpp", "tiny:vocab=64", "cpu")
+    with pytest.raises(ValueError, match="unknown engine"):
+        choose_engine("vllm", "smollm2", "cpu")
+    if MISSING:
+        pytest.fail(MISSING)
+    assert choose_engine("auto", "smollm2", "cpu")[0] == "llamacpp"
+    assert choose_engine("auto", str(smollm2_gguf_path()), "auto")[0] == "llamacpp"
+
+
+def test_serve_target_arguments_build_the_chosen_engine():
+    import argparse
+
+    from target_service.engine import TargetEngine
+    from target_service.engines.select import build_engine
+    from target_service.server import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    tiny = ["--model", "tiny:vocab=64,layers=1,hidden=32", "--device", "cpu"]
+    assert isinstance(build_engine(parser.parse_args(tiny)), TargetEngine)  # the default engine
+    assert isinstance(build_engine(parser.parse_args([*tiny, "--engine", "auto"])), TargetEngine)  # not a GGUF
+    with pytest.raises(SystemExit, match="--engine llamacpp cannot serve this target: .* is not a GGUF"):
+        build_engine(parser.parse_args([*tiny, "--engine", "llamacpp"]))
+    if MISSING:
+        pytest.fail(MISSING)
+    from target_service.engines.llamacpp import LlamaCppEngine
+
+    engine = build_engine(parser.parse_args(["--model", "smollm2", "--max-sessions", "3", "--llama-context", "1024"]))
+    try:
+        assert isinstance(engine, LlamaCppEngine)
+        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 1024, 1024)
+        for i in range(4):  # a fourth session evicts the least recently used
+            engine.prefill(f"s{i}", 0, [1, 2, 3])
+        assert engine.cached_sessions() == 3 and "s0" not in engine and engine.evictions == 1
+        assert engine.cache_bytes() == 3 * 3 * engine.kv_bytes_per_token
+    finally:
+        engine.close()
