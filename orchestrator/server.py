@@ -136,8 +136,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 continue
             try:
                 lost = self.store.renew_leases(leases)
-            except StoreUnavailable:
-                continue  # the commits wait for the store; a lease that expires meanwhile is taken back if free
+            except (StoreUnavailable, StoreFull):
+                continue  # commits wait for the store; an expired lease is taken back if nobody acquired it since
             for sid in lost:
                 log.warning("session lease taken by another stream", extra={"session_id": sid})
 

@@ -173,6 +173,7 @@ _RENEW_LUA = """
 if redis.call('HGET', KEYS[2], 'holder') ~= ARGV[1] then return 0 end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
+if holder then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end  -- PEXPIRE: admitted on a full store
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
