@@ -236,3 +236,11 @@ def test_a_full_store_refuses_new_sessions_while_running_ones_finish(own_redis):
         assert len(stack.client.generate([1, 2], max_new_tokens=4).token_ids) == 4  # room again: new ones start
     finally:
         stack.stop()
+
+
+def test_every_redis_the_project_starts_never_evicts(redis_server):
+    from specdec.redis_server import redis_memory_args
+
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    assert redis_memory_args()[-2:] == ["--maxmemory-policy", "noeviction"]
