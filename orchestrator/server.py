@@ -366,16 +366,24 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if event is not None:
             event.set()
             return opb.CancelSessionResponse(cancelled=True)
-        if rec.status == "running" and self.store.lease_holder(rec.session_id) is not None:
+        if rec.status != "running":
+            return opb.CancelSessionResponse(cancelled=False)
+        # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
+        token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
+        if self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None:
             # Streaming on another orchestrator: it must write the cancellation itself (its lease fences us out).
             self.store.request_cancel(rec.session_id)
             return opb.CancelSessionResponse(cancelled=True)
-        if rec.status == "running":
+        try:
+            rec = self._load(request.session_id, rec.params.get("owner", ""))  # as stored, now that we hold it
+            if rec.status != "running":
+                return opb.CancelSessionResponse(cancelled=False)
             rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
-            self.store.update_state(rec)
-            self._release_caches(rec.session_id)
-            return opb.CancelSessionResponse(cancelled=True)
-        return opb.CancelSessionResponse(cancelled=False)
+            self.store.update_state(rec, token)
+        finally:
+            self.store.release_lease(rec.session_id, token)
+        self._release_caches(rec.session_id)
+        return opb.CancelSessionResponse(cancelled=True)
 
     @handle_errors
     def GetOutline(self, request, context):

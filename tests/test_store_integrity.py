@@ -244,3 +244,32 @@ def test_every_redis_the_project_starts_never_evicts(redis_server):
     client = redis.Redis.from_url(redis_server.url)
     assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
     assert redis_memory_args()[-2:] == ["--maxmemory-policy", "noeviction"]
+
+
+def test_cancel_of_a_session_nobody_streams_writes_under_its_own_lease(redis_url):
+    """CancelSession writes the cancellation like any writer: under a lease of its own (a new epoch), so a stream
+    whose lease lapsed cannot write after it; a session another stream holds gets the request instead."""
+    stack = start_stack(redis_url, target=TARGET, draft=DRAFT)
+    store = RedisSessionStore(redis_url)
+    try:
+        for sid in ("cancel-orphan", "cancel-held"):
+            store.delete(sid)
+        _new(store, "cancel-orphan")  # held by "A" (an orchestrator that died mid-stream); its lease lapses:
+        store.client.delete(KEY_PREFIX + "cancel-orphan:lease")
+        epoch = store.fencing_epoch("cancel-orphan")
+        assert stack.client.cancel("cancel-orphan") is True
+        back = store.load("cancel-orphan")
+        assert back.status == "cancelled" and back.generated == [7, 8]
+        assert store.fencing_epoch("cancel-orphan") == epoch + 1 and store.lease_holder("cancel-orphan") is None
+        back.generated += [9]
+        with pytest.raises(LeaseLost):
+            store.commit(back, [9], lease="A")  # the dead stream's late write
+
+        _new(store, "cancel-held")  # "A" holds its lease: it is asked to stop, and writes the cancellation itself
+        assert stack.client.cancel("cancel-held") is True
+        assert store.client.hget(KEY_PREFIX + "cancel-held", "cancel_requested") == b"1"
+        assert store.load("cancel-held").status == "running"
+    finally:
+        store.delete("cancel-orphan")
+        store.delete("cancel-held")
+        stack.stop()
