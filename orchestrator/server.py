@@ -282,8 +282,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                f"{self.max_active_sessions} sessions are generating; retry later")
             if self._active_by_principal[principal] >= self.max_sessions_per_principal:
                 raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this caller has {self.max_sessions_per_principal} sessions generating, its quota; "
-                               "retry when one ends")
+                               f"this caller's quota of {self.max_sessions_per_principal} generating sessions is used "
+                               "up; retry when one of them ends")
             self._active[sid] = cancel
             self._active_by_principal[principal] += 1
         lease = f"{self.instance}/{secrets.token_hex(4)}"

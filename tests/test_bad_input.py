@@ -166,7 +166,7 @@ def test_each_caller_has_a_session_quota(redis_url):
             next(first)
             code, details = status_of(lambda: alice.stream([1, 2, 3], max_new_tokens=5))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "this caller has 1 sessions generating, its quota" in details
+            assert "this caller's quota of 1 generating sessions is used up" in details
             assert len(bob.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).token_ids) == 5  # another caller
             first.cancel()
             deadline = time.monotonic() + 10

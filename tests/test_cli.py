@@ -246,7 +246,10 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     import sys
     import time
 
-    model = "tiny:vocab=64,layers=1,hidden=32,seed=23"  # names this test's services among the machine's processes
+    import os
+
+    # The seed names this run's services among the machine's processes (other runs of this test may be going on).
+    model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", "0", "--metrics-base-port", "0",
                              "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
                              "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -260,7 +263,7 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip().endswith(("specdec: interrupted", "specdec up: interrupted"))
-    left = subprocess.run(["pgrep", "-f", f"model {model}"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-a", "-f", f"model {model}"], capture_output=True, text=True).stdout.splitlines()
     assert left == [], "services still running after Ctrl-C"
 
 
