@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from draft_service.settings import DraftSettings
 from orchestrator.settings import LoopConfig
 from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
-from specdec.ops.redis_server import RedisServer
+from specdec.ops.redis_server import RedisServer, interrupts_deferred
 
 
 class ServiceProcess:
@@ -39,7 +39,8 @@ class ServiceProcess:
         if self.http_url and "--http-listen" in self.args:  # and the HTTP API's
             self.args[self.args.index("--http-listen") + 1] = self.http_url.removeprefix("http://")
         self._ready.clear()
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+        # Its own process group (stop() signals the whole group), recorded before a Ctrl-C can unwind past it.
+        with open(self.log_path, "ab") as log, interrupts_deferred():  # the child keeps its own descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", *self.args],
                                          stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True)
         threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
@@ -307,7 +308,8 @@ class LocalStack:
             reporter.start()
         try:
             if cfg.store == "redis":
-                self.redis = RedisServer(data_dir=str(self.log_dir / "redis")).start()
+                self.redis = RedisServer(data_dir=str(self.log_dir / "redis"))  # tracked before it starts
+                self.redis.start()
             self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
                                                     f"{cfg.host}:0", *self._common(), *self._metrics(1),
                                                     *self._batching(), *self._affinity("target"), *cfg.target_args],

@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import threading
+from collections import Counter
 
 import grpc
 
@@ -20,7 +21,8 @@ from orchestrator.loop import (AcceptanceWindow, Backends, Generation, Generatio
                                StreamControl, stats_message)
 from orchestrator.prompts import chat_prompt_ids
 from orchestrator.records import GenerationParams
-from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable, open_store
+from orchestrator.session_store import (LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable,
+                                        open_store)
 from orchestrator.settings import LoopConfig, ServerSettings
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
@@ -35,6 +37,38 @@ log = logging.getLogger("specdec.orchestrator")
 
 class IncompatibleModels(Exception):
     pass
+
+
+# Worker threads beyond one per generating session: a stream holds its thread for its whole life, so Health,
+# GetSession and CancelSession always find one free however many sessions stream.
+CONTROL_WORKERS = 16
+
+
+def store_error(e: Exception) -> RpcAbort | None:
+    """The gRPC status of a session-store failure (None: not one)."""
+    if isinstance(e, SessionLost):
+        return RpcAbort(grpc.StatusCode.DATA_LOSS, f"{e}; the session cannot continue (start a new one)")
+    if isinstance(e, StoreFull):
+        return RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    if isinstance(e, StoreUnavailable):
+        return RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e))
+    if isinstance(e, LeaseLost):
+        return RpcAbort(grpc.StatusCode.ABORTED, str(e))
+    return None
+
+
+def _store_errors(method):
+    """GetSession/CancelSession: a store failure ends the call with its own status (not INTERNAL)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except (SessionLost, StoreFull, StoreUnavailable, LeaseLost) as e:
+            raise store_error(e) from e
+
+    return wrapper
 
 
 def check_compatible(target_info, draft_info) -> None:
@@ -58,7 +92,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                  cfg: LoopConfig, max_new_tokens_limit: int = ServerSettings.max_new_tokens_limit,
                  max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
                  max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
-                 admin_tokens: list[str] = ()):
+                 admin_tokens: list[str] = (), max_stop_string_bytes: int = 256, max_stop_token_ids: int = 64,
+                 max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0):
         self.target = target
         self.pool = pool
         self.store = store
@@ -68,6 +103,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_new_tokens_limit = max_new_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens or target_info.max_context
         self.max_stop_strings = max_stop_strings
+        self.max_stop_string_bytes = max_stop_string_bytes
+        self.max_stop_token_ids = max_stop_token_ids
+        self.max_prompt_bytes = max_prompt_bytes
+        self.max_sessions_per_principal = max_sessions_per_principal or max_active_sessions
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
         self.measured = Measurements(
@@ -84,6 +123,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.principals = {principal_of(t): t for t in [*auth_tokens, *admin_tokens]}
         self.admins = {principal_of(t) for t in admin_tokens}
         self._active: dict[str, threading.Event] = {}
+        self._active_by_principal: Counter[str] = Counter()
         self._active_lock = threading.Lock()
         # Session leases (single writer across orchestrator processes): this process's streams and their tokens,
         # renewed by a heartbeat at a third of the lease TTL.
@@ -101,8 +141,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 continue
             try:
                 lost = self.store.renew_leases(leases)
-            except StoreUnavailable:
-                continue  # the commits wait for the store; a lease that expires meanwhile is taken back if free
+            except (StoreUnavailable, StoreFull):
+                continue  # commits wait for the store; an expired lease is taken back if nobody acquired it since
             for sid in lost:
                 log.warning("session lease taken by another stream", extra={"session_id": sid})
 
@@ -139,9 +179,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if req.max_draft_len > self.cfg.max_draft_len:
             raise self._bad(f"max_draft_len {req.max_draft_len} exceeds the limit of {self.cfg.max_draft_len}")
         if len(req.stop) > self.max_stop_strings:
-            raise self._bad(f"at most {self.max_stop_strings} stop strings")
+            raise self._bad(f"stop has {len(req.stop)} strings; the limit is {self.max_stop_strings}")
+        for i, stop in enumerate(req.stop):
+            if len(stop.encode()) > self.max_stop_string_bytes:
+                raise self._bad(f"stop[{i}] is {len(stop.encode())} bytes long; the limit is "
+                                f"{self.max_stop_string_bytes} bytes")
+        if len(req.stop_token_ids) > self.max_stop_token_ids:
+            raise self._bad(f"stop_token_ids has {len(req.stop_token_ids)} ids; the limit is {self.max_stop_token_ids}")
+        bad = [t for t in req.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise self._bad(f"stop_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         which = req.WhichOneof("prompt")
         if which == "text":
+            if len(req.text.encode()) > self.max_prompt_bytes:
+                raise self._bad(f"text prompt is {len(req.text.encode())} bytes long; the limit is "
+                                f"{self.max_prompt_bytes} bytes")
             if not req.text.strip():
                 raise self._bad("prompt is empty")
             if self.tokenizer is None:
@@ -154,6 +206,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             ids = list(req.token_ids.ids)
             if not ids:
                 raise self._bad("prompt is empty")
+            if len(ids) > self.max_prompt_tokens:
+                raise self._bad(f"token_ids has {len(ids)} tokens; the limit is {self.max_prompt_tokens}")
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise self._bad(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
@@ -192,8 +246,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context.abort(e.code, e.message)
         except GenerationError as e:
             context.abort(e.code, e.message)
-        except StoreUnavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (SessionLost, StoreFull, StoreUnavailable, LeaseLost) as e:
+            abort = store_error(e)
+            context.abort(abort.code, abort.message)
         except Exception as e:  # noqa: BLE001
             if isinstance(e, grpc.RpcError):
                 raise
@@ -203,8 +258,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _acquire_lease(self, sid: str, token: str) -> None:
         try:
             holder = self.store.acquire_lease(sid, token)
-        except StoreUnavailable as e:
-            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        except (StoreUnavailable, StoreFull) as e:
+            raise store_error(e) from e
         if holder is not None:
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
                            f"session {sid} is already streaming on another orchestrator ({holder.rsplit('/', 1)[0]}); "
@@ -235,9 +290,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if len(self._active) >= self.max_active_sessions:
                 raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.max_active_sessions} sessions are generating; retry later")
+            if self._active_by_principal[principal] >= self.max_sessions_per_principal:
+                raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this caller's quota of {self.max_sessions_per_principal} generating sessions is used "
+                               "up; retry when one of them ends")
             self._active[sid] = cancel
+            self._active_by_principal[principal] += 1
         lease = f"{self.instance}/{secrets.token_hex(4)}"
-        leased = False
+        leased = lost = False
         try:
             self._acquire_lease(sid, lease)
             leased = True
@@ -266,19 +326,25 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                                offset=chunk.offset)
                 yield opb.GenerateResponse(session_id=sid, offset=len(rec.generated), stats=stats_message(rec),
                                            finish_reason=rec.finish_reason)
+        except SessionLost:
+            lost = True  # nothing more can be stored for it: its caches are of no use
+            raise
         finally:
             with self._active_lock:
                 self._active.pop(sid, None)
+                self._active_by_principal[principal] -= 1
+                if not self._active_by_principal[principal]:
+                    del self._active_by_principal[principal]
             if leased:  # without the lease this stream wrote nothing and owns nothing to free
                 if cancel.is_set() and rec.status == "running":
                     # The client went away mid-step: record it and free the caches.
                     rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
                     try:
                         self.store.update_state(rec, lease)
-                    except (StoreUnavailable, LeaseLost):
+                    except (StoreUnavailable, LeaseLost, SessionLost):
                         log.warning("could not record cancellation", extra={"session_id": sid})
                 self._release_lease(sid, lease)
-                if rec.status != "running":
+                if rec.status != "running" or lost:
                     self._release_caches(sid)
 
     def _release_caches(self, sid: str) -> None:
@@ -290,6 +356,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self.pool.release(sid)
 
     @handle_errors
+    @_store_errors
     def GetSession(self, request, context):
         rec = self._load(request.session_id, self._principal(context))
         text = self.tokenizer.decode(rec.generated, skip_special_tokens=True) if self.tokenizer else ""
@@ -298,6 +365,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                finish_reason=rec.finish_reason)
 
     @handle_errors
+    @_store_errors
     def CancelSession(self, request, context):
         rec = self._load(request.session_id, self._principal(context))
         with self._active_lock:
@@ -305,16 +373,24 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if event is not None:
             event.set()
             return opb.CancelSessionResponse(cancelled=True)
-        if rec.status == "running" and self.store.lease_holder(rec.session_id) is not None:
+        if rec.status != "running":
+            return opb.CancelSessionResponse(cancelled=False)
+        # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
+        token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
+        if self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None:
             # Streaming on another orchestrator: it must write the cancellation itself (its lease fences us out).
             self.store.request_cancel(rec.session_id)
             return opb.CancelSessionResponse(cancelled=True)
-        if rec.status == "running":
+        try:
+            rec = self._load(request.session_id, rec.params.get("owner", ""))  # as stored, now that we hold it
+            if rec.status != "running":
+                return opb.CancelSessionResponse(cancelled=False)
             rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
-            self.store.update_state(rec)
-            self._release_caches(rec.session_id)
-            return opb.CancelSessionResponse(cancelled=True)
-        return opb.CancelSessionResponse(cancelled=False)
+            self.store.update_state(rec, token)
+        finally:
+            self.store.release_lease(rec.session_id, token)
+        self._release_caches(rec.session_id)
+        return opb.CancelSessionResponse(cancelled=True)
 
     @handle_errors
     def GetOutline(self, request, context):
@@ -336,8 +412,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise self._bad("session_id is longer than 128 characters")
         try:
             rec = self.store.load(session_id)
-        except StoreUnavailable as e:
-            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        except (StoreUnavailable, SessionLost) as e:
+            raise store_error(e) from e
         # Another principal's session answers exactly like a missing one: ids reveal nothing.
         if rec is None or rec.params.owner != principal:
             raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"unknown session id {session_id!r}")
@@ -355,7 +431,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    local_datastore: str = _S.local_datastore,
                    session_lease_s: float = _S.session_lease_s,
                    resolve_interval_s: float = _S.resolve_interval_s,
-                   admin_tokens: list[str] = ()) -> OrchestratorServicer:
+                   admin_tokens: list[str] = (),
+                   max_sessions_per_principal: int = _S.max_sessions_per_principal) -> OrchestratorServicer:
     """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
@@ -400,11 +477,13 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                     extra={"error": str(e)})
     return OrchestratorServicer(target, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
                                 max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
-                                admin_tokens=admin_tokens)
+                                admin_tokens=admin_tokens,
+                                max_sessions_per_principal=max_sessions_per_principal)
 
 
-def build_server(servicer: OrchestratorServicer, address: str, max_workers: int = 32, tls=None) -> ServiceServer:
-    server = ServiceServer(address, max_workers=max_workers, tls=tls)
+def build_server(servicer: OrchestratorServicer, address: str, tls=None) -> ServiceServer:
+    # One thread per generating session (each stream holds one) plus CONTROL_WORKERS that nothing long holds.
+    server = ServiceServer(address, max_workers=servicer.max_active_sessions + CONTROL_WORKERS, tls=tls)
     server.add(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
                opb.DESCRIPTOR.services_by_name["Orchestrator"].full_name)
     return server
@@ -427,6 +506,9 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
     if not args.startup_timeout_s > 0:
         raise SystemExit(f"--startup-timeout-s must be positive, got {args.startup_timeout_s}")
+    if args.max_sessions < 1 or args.max_sessions_per_principal < 0:
+        raise SystemExit("--max-sessions must be at least 1 and --max-sessions-per-principal 0 (= --max-sessions) "
+                         "or more")
     if not args.resolve_interval_s > 0:
         raise SystemExit(f"--resolve-interval-s must be positive, got {args.resolve_interval_s}")
     for address in (a.strip() for a in (args.draft or "").split(",")):
@@ -469,7 +551,8 @@ def serve(args: argparse.Namespace) -> None:
                               breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
                               local_datastore=args.local_datastore, session_lease_s=args.session_lease_s,
                               resolve_interval_s=args.resolve_interval_s,
-                              admin_tokens=admin_tokens)
+                              admin_tokens=admin_tokens,
+                              max_sessions_per_principal=args.max_sessions_per_principal)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     if http is not None:

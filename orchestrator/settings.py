@@ -84,6 +84,8 @@ class ServerSettings:
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target's model)")
     max_new_tokens_limit: int = setting(2048, "the most tokens a request may ask for")
     max_sessions: int = setting(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
+    max_sessions_per_principal: int = setting(
+        0, "concurrent generations of one caller (bearer token); more get RESOURCE_EXHAUSTED (0 = --max-sessions)")
     session_ttl_s: int = setting(3600, "how long a session is kept in the store after its last write")
     startup_timeout_s: float = setting(
         60.0, "how long to wait at start for the target to answer (it may still be loading its model)")

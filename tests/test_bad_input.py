@@ -1,6 +1,7 @@
 """Bad input gets the right gRPC status and a message a person can read; the services stay up."""
 
 import math
+import time
 
 import grpc
 import pytest
@@ -43,6 +44,16 @@ def status_of(fn):
     (dict(prompt=[1, 2, 64]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
     (dict(prompt=[1] * 1000, max_new_tokens=50), grpc.StatusCode.OUT_OF_RANGE, "exceeds the model's context"),
     (dict(resume_session_id="no-such-session"), grpc.StatusCode.NOT_FOUND, "unknown session id"),
+    # Every repeated and string field is bounded; the message names the field and the limit.
+    (dict(stop=["."] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop has 17 strings; the limit is 16"),
+    (dict(stop=[".", "é" * 129]), grpc.StatusCode.INVALID_ARGUMENT, "stop[1] is 258 bytes long; the limit is 256 bytes"),
+    (dict(stop_token_ids=[1] * 65), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids has 65 ids; the limit is 64"),
+    (dict(stop_token_ids=[3, 64]), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids: token id 64 is outside the vocabulary (size 64)"),
+    (dict(stop_token_ids=[2**32 - 1]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids: token id 4294967295"),
+    (dict(prompt="word " * 300_000), grpc.StatusCode.INVALID_ARGUMENT,
+     "text prompt is 1500000 bytes long; the limit is 1048576 bytes"),
+    (dict(prompt=[1] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "token_ids has 5000 tokens; the limit is"),
 ])
 def test_generate_rejects_bad_requests(stack, kwargs, code, words):
     args = dict(prompt=[1, 2, 3], max_new_tokens=5)
@@ -141,3 +152,26 @@ def test_orchestrator_refuses_a_session_lease_out_of_range(lease):
     server.add_arguments(p)
     with pytest.raises(SystemExit, match="--session-lease-s must be between 0.1 and 3600 seconds"):
         server.serve(p.parse_args(["--session-lease-s", lease]))
+
+
+def test_each_caller_has_a_session_quota(redis_url):
+    from specdec.client import SpecdecClient
+
+    s = start_stack(redis_url, draft=DRAFT_EARLY, auth_tokens=["alice-token", "bob-token"],
+                    max_sessions_per_principal=1)
+    addr = s.orchestrator_server.address
+    try:
+        with SpecdecClient(addr, token="alice-token") as alice, SpecdecClient(addr, token="bob-token") as bob:
+            first = alice.stream([1, 2, 3], max_new_tokens=100, ignore_eos=True)
+            next(first)
+            code, details = status_of(lambda: alice.stream([1, 2, 3], max_new_tokens=5))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this caller's quota of 1 generating sessions is used up" in details
+            assert len(bob.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).token_ids) == 5  # another caller
+            first.cancel()
+            deadline = time.monotonic() + 10
+            while s.servicer._active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(alice.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).token_ids) == 5
+    finally:
+        s.stop()

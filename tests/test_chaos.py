@@ -43,6 +43,7 @@ def _why(res: dict) -> str:
     return json.dumps({k: res.get(k) for k in keep}, indent=1)[:6000]
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # the first one runs the whole suite in its fixture: past the 300 s default
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario(results, name):
     assert name in results, f"{name} produced no result"

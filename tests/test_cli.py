@@ -265,7 +265,10 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     import sys
     import time
 
-    model = "tiny:vocab=64,layers=1,hidden=32,seed=23"  # names this test's services among the machine's processes
+    import os
+
+    # The seed names this run's services among the machine's processes (other runs of this test may be going on).
+    model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
                              "--http-port", "0",
                              "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
@@ -280,7 +283,7 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip().endswith(("specdec: interrupted", "specdec up: interrupted"))
-    left = subprocess.run(["pgrep", "-f", f"model {model}"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-a", "-f", f"model {model}"], capture_output=True, text=True).stdout.splitlines()
     assert left == [], "services still running after Ctrl-C"
 
 
@@ -295,3 +298,40 @@ def test_run_without_the_distilled_draft_says_how_to_get_one(tmp_path, monkeypat
     assert stack.services() == [] and stack.redis is None
     quantized = LocalStack(StackConfig(draft_strategy="quantized", metrics_base_port=0), str(tmp_path))
     quantized._check_draft_model()  # the int8 draft is the target's own weights: no distilled draft needed
+
+
+@pytest.mark.parametrize("victim", ["redis-server", "target"])
+def test_an_interrupt_the_moment_a_process_starts_still_stops_it(tmp_path, monkeypatch, victim):
+    """Ctrl-C lands right after a service's (or Redis') process was created, before its starter returned: the stack
+    has recorded it anyway, and stops it on the way out."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    real_popen = subprocess.Popen
+    started = []
+
+    def popen(args, **kwargs):
+        proc = real_popen(args, **kwargs)
+        started.append(proc)
+        if victim in " ".join(map(str, args)):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # Python runs the SIGINT handler here, inside Popen as its caller sees it
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    model = "tiny:vocab=64,layers=1,hidden=32,seed=24"
+    stack = LocalStack(StackConfig(target_model=model, draft_strategy="model", draft_model=model,
+                                   metrics_base_port=0), str(tmp_path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stack.start(timeout=60)
+        assert started and started[-1].args and victim in " ".join(map(str, started[-1].args))
+        for proc in started:
+            assert proc.wait(10) is not None, f"{proc.args[:4]} still running after the interrupt"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)

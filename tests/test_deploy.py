@@ -257,6 +257,8 @@ def test_redis_persists_to_a_named_volume(compose):
     cmd = redis["command"]
     assert cmd[0] == "redis-server"
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    # Session data is never evicted: a full store refuses new sessions instead (orchestrator/session_store.py).
+    assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
     mounts = {v.split(":")[1]: v.split(":")[0] for v in redis["volumes"]}
     assert mounts.get("/data") in compose["volumes"], "the append-only file must live in a named volume"
     assert "healthcheck" in redis

@@ -110,3 +110,38 @@ def test_random_bytes_are_refused_cleanly(stack, method):
     one()
     channel.close()
     assert check_health(address_for(stack, method), timeout=2.0)
+
+
+# Oversized fields, each with the field name its refusal must mention.
+OVERSIZED = st.one_of(
+    st.integers(17, 200).map(lambda n: ("stop", dict(stop=["."] * n))),
+    st.text(min_size=257, max_size=2000).map(lambda t: ("stop[0]", dict(stop=[t]))),
+    st.lists(u32, min_size=65, max_size=5000).map(lambda ids: ("stop_token_ids", dict(stop_token_ids=ids))),
+    st.integers(64, 2**32 - 1).map(lambda t: ("stop_token_ids", dict(stop_token_ids=[1, t]))),
+    st.integers((1 << 20) + 1, 3 << 20).map(lambda n: ("text prompt", dict(text="é" * (n // 2 + 1)))),
+    st.integers(4097, 200_000).map(lambda n: ("token_ids", dict(token_ids=orchestrator_pb2.TokenIds(ids=[1] * n)))),
+)
+
+
+def test_oversized_fields_are_invalid_arguments_naming_the_field(stack):
+    channel = grpc.insecure_channel(stack.orchestrator_server.address)
+    assert stack.servicer.max_prompt_tokens < 4097
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                     HealthCheck.data_too_large])
+    @given(OVERSIZED)
+    def one(case):
+        field, kwargs = case
+        if "text" not in kwargs:
+            kwargs.setdefault("token_ids", orchestrator_pb2.TokenIds(ids=[1, 2]))
+        msg = orchestrator_pb2.GenerateRequest(max_new_tokens=4, **kwargs)
+        with pytest.raises(grpc.RpcError) as e:
+            call(channel, "/specdec.v1.Orchestrator/Generate", msg.SerializeToString())
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert e.value.details().startswith(field) and ("limit" in e.value.details()
+                                                        or "outside the vocabulary" in e.value.details())
+
+    one()
+    channel.close()
+    assert check_health(stack.orchestrator_server.address, timeout=2.0)

@@ -226,7 +226,7 @@ def test_tree_verification_keeps_the_accepted_path_only(engine):
 
 
 def test_tree_speculation_through_the_services_equals_target_only(redis_url, engine):
-    from orchestrator.generation import LoopConfig
+    from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, draft_timeout_floor_ms=5000, tree_budget=8)
     stack = start_stack(redis_url, draft="ngram", target_engine=engine, cfg=cfg)

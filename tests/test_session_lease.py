@@ -39,7 +39,10 @@ def test_a_commit_is_fenced_by_the_lease(redis_url, kind):
     assert store.lease_holder(rec.session_id) == "A"
     store.release_lease(rec.session_id, "A")
     assert store.lease_holder(rec.session_id) is None
-    store.commit(rec, [9], lease="B")  # a free lease is taken by the writer
+    with pytest.raises(LeaseLost):
+        store.commit(rec, [9], lease="B")  # a free lease is not B's: only acquiring it makes B the writer
+    assert store.acquire_lease(rec.session_id, "B") is None
+    store.commit(rec, [9], lease="B")
     assert store.lease_holder(rec.session_id) == "B" and store.load(rec.session_id).generated == [7, 8, 9]
     # The renewal reports a lease another stream holds, and keeps its own.
     assert store.renew_leases({rec.session_id: "A"}) == {rec.session_id}
