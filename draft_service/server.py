@@ -252,8 +252,9 @@ def serve(args: argparse.Namespace) -> None:
     proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
                                     args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
                                     args.draft_vocab, args.datastore, args.quantize, args.batch_rows)
-    server = build_server(proposer, info, args.listen, inject_latency_ms=args.inject_latency_ms,
-                          max_draft_len=args.max_draft_len).start()
+    # A Propose holds its thread while it waits for its step batch: one per cached session (and its prefetch).
+    server = build_server(proposer, info, args.listen, max_workers=args.max_sessions + 8,
+                          inject_latency_ms=args.inject_latency_ms, max_draft_len=args.max_draft_len).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):
             server.servicer.latency_enabled = not server.servicer.latency_enabled

@@ -22,5 +22,5 @@ fi
 # GGUF on a CPU). pip caches the wheel it builds, so only the first install compiles.
 if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   echo "installing llama-cpp-python: the one-time native build of llama.cpp takes about 7 minutes"
-  .venv/bin/python -m pip install -q llama-cpp-python==0.3.36
+  { .venv/bin/python -m pip install llama-cpp-python==0.3.36 2>&1; } | { grep -v "^WARNING: Location" || true; }
 fi

@@ -173,6 +173,8 @@ def serve(args: argparse.Namespace) -> None:
         rows = min(engine.max_batch, 4)
         engine.forward_ms = engine.profile_forward_ms(rows * (args.max_draft_len + 1))
         log.info("forward cost profile", extra={"forward_ms": engine.forward_ms})
-    server = build_server(engine, args.listen).start()
+    # A Verify holds its thread while it waits for its batch: one per cached session, so a full orchestrator's
+    # sessions are never refused for want of threads.
+    server = build_server(engine, args.listen, max_workers=args.max_sessions + 8).start()
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)
