@@ -382,7 +382,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self.store.request_cancel(rec.session_id)
             return opb.CancelSessionResponse(cancelled=True)
         try:
-            rec = self._load(request.session_id, rec.params.get("owner", ""))  # as stored, now that we hold it
+            rec = self._load(request.session_id, rec.params.owner)  # as stored, now that we hold it
             if rec.status != "running":
                 return opb.CancelSessionResponse(cancelled=False)
             rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED

@@ -274,7 +274,8 @@ def test_serve_target_arguments_build_the_chosen_engine():
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    engine = build_engine(parser.parse_args(["--model", "smollm2", "--max-sessions", "3", "--llama-context", "1024"]))
+    engine = build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", "--max-sessions", "3",
+                                             "--llama-context", "1024"]))
     try:
         assert isinstance(engine, LlamaCppEngine)
         assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 1024, 1024)

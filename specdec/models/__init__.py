@@ -38,13 +38,13 @@ from specdec.models.cache import (CACHE_MARKER, DEFAULT_DRAFT_MODEL, DEFAULT_TAR
                                   SMOLLM2_CACHE_FORMAT, SMOLLM2_DIRNAME, SMOLLM2_GGUF_NAME, cache_dir,
                                   distilled_draft_dir, ensure_cached_model, ensure_smollm2, models_dir, replace_dir,
                                   smollm2_cached_dir, smollm2_gguf_path)
-from specdec.models.loading import (LoadedModel, load_model, load_tokenizer, resolve_device, resolve_dtype,
+from specdec.models.loading import (LoadedModel, eos_token_ids, load_model, load_tokenizer, resolve_device, resolve_dtype,
                                     tokenizer_fingerprint, weights_fingerprint)
 from specdec.models.tiny import build_tiny, parse_tiny_spec, tiny_tokenizer
 
 __all__ = [
     "CACHE_MARKER", "DEFAULT_DRAFT_MODEL", "DEFAULT_TARGET", "DRAFT_DIRNAME", "SMOLLM2_ALIASES", "SMOLLM2_CACHE_FORMAT",
-    "SMOLLM2_DIRNAME", "SMOLLM2_GGUF_NAME", "LoadedModel", "build_tiny", "cache_dir", "cpu_kernels",
+    "SMOLLM2_DIRNAME", "SMOLLM2_GGUF_NAME", "LoadedModel", "build_tiny", "cache_dir", "cpu_kernels", "eos_token_ids",
     "distilled_draft_dir", "ensure_cached_model", "ensure_smollm2", "load_model", "load_tokenizer", "models_dir",
     "parse_tiny_spec", "ragged_batch", "replace_dir", "resolve_device", "resolve_dtype", "smollm2_cached_dir",
     "smollm2_gguf_path", "tiny_tokenizer", "tokenizer_fingerprint", "weights_fingerprint",

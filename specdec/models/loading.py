@@ -128,7 +128,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
 
 
-def _eos_ids(model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def eos_token_ids(model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ids: list[int] = []
 
     def add(value: Any) -> None:
@@ -295,7 +295,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
     model.eval()
     model.requires_grad_(False)
 
-    eos = _eos_ids(model, tok)
+    eos = eos_token_ids(model, tok)
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)

@@ -23,7 +23,7 @@ import torch
 from specdec.core import sampling
 from specdec.core import tree
 from specdec.core.kv_cache import CacheMiss, ContextTooLong
-from specdec.models import _eos_ids, load_tokenizer, tokenizer_fingerprint
+from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome, decode_as_verify_steps, measure_profile
 
 log = logging.getLogger("specdec.target.llamacpp")
@@ -108,7 +108,7 @@ class LlamaCppEngine:
         self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
             llama_cpp.llama_model_n_head_kv(self._model) * head_dim
         tok = load_tokenizer(str(path))
-        eos = _eos_ids(None, tok)
+        eos = eos_token_ids(None, tok)
         for special in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)):
             if 0 <= special and special not in eos:
                 eos.append(int(special))
