@@ -19,8 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.http_request import (ApiError, Parsed, bad_request, check_keys, flag_param, number_param,
                                        parse_generate)
-from specdec.core.security import principal_of
-from specdec.core.grpc_util import listen_error
+from specdec.core.grpc_util import RpcAbort, listen_error
 from specdec.v1 import orchestrator_pb2 as opb
 
 log = logging.getLogger("specdec.http")
@@ -195,12 +194,13 @@ def build_app(servicer):
                                        "invalid_request_error"))
 
     def authorize(request: Request) -> str | None:
+        """The request's Authorization header, once the servicer's own check (the gRPC API's) accepts it."""
         header = request.headers.get("authorization")
-        if servicer.principals:
-            token = header[len("Bearer "):] if header and header.startswith("Bearer ") else None
-            if token is None or principal_of(token) not in servicer.principals:
-                raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer <token>)",
-                               "authentication_error", code="invalid_api_key")
+        try:
+            servicer.authenticate(HttpContext(header))
+        except RpcAbort:
+            raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer <token>)",
+                           "authentication_error", code="invalid_api_key") from None
         return header
 
     async def json_body(request: Request):

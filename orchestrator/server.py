@@ -228,7 +228,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     # -- RPCs -----------------------------------------------------------------------------------
 
-    def _principal(self, context) -> str:
+    def authenticate(self, context) -> str:
         """The caller's identity: '' without auth; UNAUTHENTICATED for a missing or wrong bearer token."""
         if not self.principals:
             return ""
@@ -276,7 +276,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             pass  # it expires by itself
 
     def _generate(self, request, context):
-        principal = self._principal(context)
+        principal = self.authenticate(context)
         if request.resume_session_id:
             rec = self._load(request.resume_session_id, principal)
         else:
@@ -358,7 +358,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @handle_errors
     @_store_errors
     def GetSession(self, request, context):
-        rec = self._load(request.session_id, self._principal(context))
+        rec = self._load(request.session_id, self.authenticate(context))
         text = self.tokenizer.decode(rec.generated, skip_special_tokens=True) if self.tokenizer else ""
         return opb.SessionInfo(session_id=rec.session_id, status=rec.status, prompt_tokens=len(rec.prompt_ids),
                                generated_token_ids=rec.generated, text=text, stats=stats_message(rec),
@@ -367,7 +367,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     @handle_errors
     @_store_errors
     def CancelSession(self, request, context):
-        rec = self._load(request.session_id, self._principal(context))
+        rec = self._load(request.session_id, self.authenticate(context))
         with self._active_lock:
             event = self._active.get(rec.session_id)
         if event is not None:
@@ -398,7 +398,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         from orchestrator.outline import build_outline
 
-        principal = self._principal(context)
+        principal = self.authenticate(context)
         # Without auth (loopback or --insecure) every caller is the operator; with it, only admins see addresses.
         admin = not self.principals or principal in self.admins
         msg = opb.Outline(outline=struct_pb2.Struct())
