@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import ipaddress
 import os
 import pathlib
@@ -48,8 +49,6 @@ def is_loopback(address: str) -> bool:
 
 def principal_of(token: str) -> str:
     """Who a bearer token stands for: its hash (sessions are owned by it; the token itself is never stored)."""
-    import hashlib
-
     return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
