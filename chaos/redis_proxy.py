@@ -8,83 +8,32 @@ that contains EXEC or EVALSHA is forwarded to Redis, its reply is swallowed and 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
+from chaos.fault_proxy import FaultProxy
 
-class ExecReplyDroppingProxy:
+
+class ExecReplyDroppingProxy(FaultProxy):
     def __init__(self, redis_port: int, host: str = "127.0.0.1"):
+        super().__init__((host, redis_port), host=host)
         self.redis_port = redis_port
-        self.host = host
-        self._listener = socket.socket()
-        self._listener.bind((host, 0))
-        self._listener.listen(16)
-        self.port = self._listener.getsockname()[1]
         self._drop = threading.Event()
         self.dropped = 0
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
 
     def drop_next_exec_reply(self) -> None:
         self._drop.set()
 
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
+    def _client_data(self, conn, data: bytes) -> bool:
+        if self._drop.is_set() and (b"EXEC" in data or b"EVALSHA" in data):
+            self._drop.clear()
+            conn.mute_replies = True   # the reply will not reach the client...
+            return_after = time.monotonic() + 0.3
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection((self.host, self.redis_port))
-            lost = threading.Event()
-            threading.Thread(target=self._up, args=(client, upstream, lost), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, lost), daemon=True).start()
-
-    def _up(self, client: socket.socket, upstream: socket.socket, lost: threading.Event) -> None:
-        while True:
-            try:
-                data = client.recv(65536)
-            except OSError:
-                break
-            if not data:
-                break
-            if self._drop.is_set() and (b"EXEC" in data or b"EVALSHA" in data):
-                self._drop.clear()
-                lost.set()                 # the reply will not reach the client...
-                upstream.sendall(data)     # ...but Redis executes the transaction
-                time.sleep(0.3)
+            def lose_connection():     # ...but Redis executes the transaction, forwarded meanwhile
+                time.sleep(max(0.0, return_after - time.monotonic()))
                 self.dropped += 1
-                break
-            try:
-                upstream.sendall(data)
-            except OSError:
-                break
-        for s in (client, upstream):
-            try:
-                s.close()
-            except OSError:
-                pass
+                conn.close()
 
-    @staticmethod
-    def _down(upstream: socket.socket, client: socket.socket, lost: threading.Event) -> None:
-        while True:
-            try:
-                data = upstream.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            if lost.is_set():
-                continue
-            try:
-                client.sendall(data)
-            except OSError:
-                return
+            threading.Thread(target=lose_connection, daemon=True).start()
+        return True
