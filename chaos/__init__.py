@@ -8,4 +8,8 @@ See docs/chaos.md for what each scenario does and what it checks.
 
 SCENARIOS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts", "redis_restart", "kill_target",
              "kill_orchestrator")
+# The orchestrator's links to the target and to Redis through a fault proxy, and Redis losing data (faults_network.py)
+NETWORK_SCENARIOS = ("target_latency", "target_partition", "target_conn_drop", "redis_latency", "redis_partition",
+                     "redis_conn_drop", "redis_sigkill", "redis_empty_restart")
+SCENARIOS += NETWORK_SCENARIOS
 DRAFT_FAULTS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts")

@@ -22,6 +22,22 @@ class Fault:
         self.victims: list[str] = []
         self.victim_addresses: list[str] = []
 
+    min_hold_s = 0.0              # hold the fault at least this long (a partition of several seconds)
+    data_loss_allowed = False     # the store loses state: requests may end DATA_LOSS (never a hole, never INTERNAL)
+
+    def stall_bound_ms(self) -> float | None:
+        """The longest stall this fault may cause (after it was healed); None: the draft-fault bound or none."""
+        return None
+
+    def details(self) -> dict:
+        """What the fault measured itself (proxy counters), merged into the result's "fault"."""
+        return {}
+
+    @staticmethod
+    def checks(res: dict) -> dict[str, bool]:
+        """This fault's own checks, on top of the common ones."""
+        return {}
+
     def prepare(self) -> None:
         pass
 

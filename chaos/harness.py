@@ -122,6 +122,7 @@ class ChaosHarness:
         self.latency_flag: list[bool] = []    # replica i was started with --inject-latency-ms (SIGUSR1 toggles it)
         self.latency_on: list[bool] = []
         self._log_offsets: dict[str, int] = {}
+        self.proxies: dict = {}  # link name -> the FaultProxy the orchestrator reaches it through (faults_network)
 
     # -- the stack ---------------------------------------------------------------------------------
 
@@ -158,6 +159,9 @@ class ChaosHarness:
                 t.join(30)
             s.stop()  # anything left, and Redis
             self.stack = None
+        for p in self.proxies.values():
+            p.close()
+        self.proxies = {}
 
     @property
     def address(self) -> str:
@@ -239,6 +243,8 @@ class ChaosHarness:
     def ensure_healthy(self) -> None:
         """Heal anything a previous scenario left broken, so scenarios can share the stack."""
         s = self.stack
+        for p in self.proxies.values():
+            p.heal()
         if s.redis.proc is None or s.redis.proc.poll() is not None:
             s.redis.start()
         for d in s.drafts:

@@ -19,13 +19,16 @@ import grpc
 import redis as redis_lib
 
 from chaos import DRAFT_FAULTS, SCENARIOS
-from chaos.faults import FAULTS
+from chaos.faults import FAULTS as _FAULTS
+from chaos.faults_network import NETWORK_FAULTS, store_check_after_loss
 from chaos.harness import ChaosHarness, ChaosOptions, _mismatches, _pct
 from chaos.load import Progress, RequestRecord, run_request
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
 from orchestrator.draft_pool import _rank
 from orchestrator.session_store import KEY_PREFIX
 from specdec.client import SpecdecClient
+
+FAULTS = {**_FAULTS, **NETWORK_FAULTS}
 
 
 @dataclass
@@ -101,7 +104,7 @@ class Scenario:
         post_n = o.post_heal_requests or max(2, o.concurrency)
         expected = o.requests * o.max_new_tokens
         trigger = int(self.rng.uniform(*o.trigger_frac) * expected)
-        fault_s = self.rng.uniform(*o.fault_s)
+        fault_s = max(self.rng.uniform(*o.fault_s), self.fault.min_hold_s)
         tl.start = time.monotonic()
         deadline = tl.start + o.time_limit_s
         request_deadline = deadline + 60.0
@@ -137,6 +140,8 @@ class Scenario:
 
     def _store_check(self) -> tuple[int, list[str]]:
         """GetSession of every session must hold exactly the tokens its client received."""
+        if self.fault.data_loss_allowed:  # sessions may be lost whole or lose their tail, never get a hole
+            return store_check_after_loss(self.fault, self.records)
         bad, notes = 0, []
         with SpecdecClient(self.h.address) as c:
             for r in self.records:
@@ -216,18 +221,25 @@ class Scenario:
         store_bad, store_notes = self._store_check()
         serving = self._healed_replica_serving(post)
         end = max((r.end for r in recs), default=time.monotonic())
+        codes: dict[str, int] = {}
+        for r in recs:
+            for e in r.errors:
+                codes[e.split(":", 1)[0]] = codes.get(e.split(":", 1)[0], 0) + 1
         out = {
             "scenario": self.name,
             "requests": len(recs),
             "completed": len(completed),
             "failed": len(failed),
+            "ended_data_loss": sum((r.error or "").startswith("DATA_LOSS") for r in failed),
+            "data_loss_allowed": self.fault.data_loss_allowed,
+            "error_codes": codes,
             "mismatched_tokens": mism,
             "duplicated_or_lost_offsets": sum(r.offset_errors for r in recs),
             "store_mismatches": store_bad,
             "fallback_steps": totals["fallback_steps"],
             "speculation_resumed": resumed,
             "max_stall_ms": round(max_stall, 1),
-            "stall_bound_ms": bound["bound_ms"] if self.name in DRAFT_FAULTS else None,
+            "stall_bound_ms": bound["bound_ms"] if self.name in DRAFT_FAULTS else self.fault.stall_bound_ms(),
             "stall_bound": bound if self.name in DRAFT_FAULTS else None,
             "max_stall_in_fault_window_ms": round(max((g for _, g, _ in window), default=0.0), 1),
             "verify_steps": totals["verify_steps"],
@@ -253,7 +265,7 @@ class Scenario:
                       "healed_at_s": tl.rel(tl.healed), "settled_at_s": tl.rel(tl.settled),
                       "settled": tl.settled_ok,
                       "outage_s": round(tl.healed - tl.injected, 2) if tl.healed and tl.injected else None,
-                      "error": tl.error},
+                      "error": tl.error, **self.fault.details()},
             "config": {"seed": o.seed, "quick": o.quick, "concurrency": o.concurrency,
                        "max_new_tokens": o.max_new_tokens, "draft_replicas": len(h.stack.drafts),
                        "draft_timeout_floor_ms": o.draft_timeout_floor_ms,
@@ -282,6 +294,8 @@ def checks(res: dict) -> dict[str, bool]:
     name = res["scenario"]
     c = {
         "all_completed": res["completed"] == res["requests"] and res["failed"] == 0,
+        **({"all_completed": res["completed"] + res["ended_data_loss"] == res["requests"]
+            and res["failed"] == res["ended_data_loss"]} if res.get("data_loss_allowed") else {}),
         "no_mismatched_tokens": res["mismatched_tokens"] == 0,
         "no_offset_errors": res["duplicated_or_lost_offsets"] == 0,
         "store_matches_client": res["store_mismatches"] == 0,
@@ -309,6 +323,8 @@ def checks(res: dict) -> dict[str, bool]:
         c["within_store_grace"] = (res["fault"]["outage_s"] or 1e9) < res["config"]["store_grace_s"]
     elif name == "kill_orchestrator":
         c["fault_exercised"] = res["resumes"] > 0
+    if name in FAULTS:
+        c.update(FAULTS[name].checks(res))
     return c
 
 
