@@ -222,40 +222,48 @@ class RedisEmptyRestart(RedisKill):
     wipe = True
 
 
+def stored_after_loss(stored: list[int] | None, received: list[int], reference: list[int],
+                      must_be_whole: bool) -> str:
+    """The verdict on one session's stored tokens after the store lost data: "lost" (gone: None), "truncated" (its
+    tail lost), "exact", or "bad": a hole (not a prefix of the target-only reference), tokens that differ from what
+    the client received, or less than it received where the session must be whole (it completed after the store
+    came back)."""
+    if stored is None:
+        return "bad" if must_be_whole else "lost"
+    n = min(len(stored), len(received))
+    if stored != reference[: len(stored)] or stored[:n] != received[:n]:
+        return "bad"
+    if stored == received:
+        return "exact"
+    return "bad" if must_be_whole else "truncated"
+
+
 def store_check_after_loss(fault: TimedFault, records) -> tuple[int, list[str]]:
-    """GetSession after a store lost data: a session is gone (NOT_FOUND/DATA_LOSS) only if it ended before the
-    store came back or ended DATA_LOSS; what is stored is a prefix of the reference that agrees with what the
-    client received (a lost tail is fine, a hole is not); a request that completed after the restart is stored
-    exactly as received."""
-    h = fault.h
+    """GetSession of every session after the store lost data (stored_after_loss): a session is gone (NOT_FOUND or
+    DATA_LOSS) or short only if it ended before the store came back or ended DATA_LOSS."""
     healed = fault.healed_at or float("inf")
     bad, notes = 0, []
-    with SpecdecClient(h.address) as c:
+    with SpecdecClient(fault.h.address) as c:
         for r in records:
             if not r.session_id:
                 continue
-            lost_allowed = not r.completed or r.end < healed
             try:
                 stored = list(c.get_session(r.session_id, timeout_s=10).generated_token_ids)
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS) and lost_allowed:
-                    fault.sessions_lost += 1
+                if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+                    bad += 1
+                    notes.append(f"request {r.index}: GetSession {e.code().name}: {e.details()}")
                     continue
+                stored = None
+            verdict = stored_after_loss(stored, r.tokens, fault.h.references[r.prompt_index],
+                                        must_be_whole=r.completed and r.end >= healed)
+            fault.sessions_lost += verdict == "lost"
+            fault.sessions_truncated += verdict == "truncated"
+            if verdict == "bad":
                 bad += 1
-                notes.append(f"request {r.index}: GetSession {e.code().name}: {e.details()}")
-                continue
-            ref = h.references[r.prompt_index]
-            n = min(len(stored), len(r.tokens))
-            ok = stored == ref[: len(stored)] and stored[:n] == r.tokens[:n]
-            if r.completed and not lost_allowed:
-                ok = ok and stored == r.tokens
-            fault.sessions_truncated += ok and len(stored) < len(r.tokens)
-            if not ok:
-                bad += 1
-                notes.append(f"request {r.index} ({r.session_id}): received {len(r.tokens)} tokens, stored "
-                             f"{len(stored)}, not a prefix of the reference" if stored != ref[: len(stored)]
-                             else f"request {r.index} ({r.session_id}): received {len(r.tokens)} tokens, "
-                             f"stored {len(stored)}")
+                notes.append(f"request {r.index} ({r.session_id}, {'completed' if r.completed else r.error}): "
+                             f"received {len(r.tokens)} tokens, stored "
+                             f"{'none' if stored is None else len(stored)}")
     return bad, notes
 
 
