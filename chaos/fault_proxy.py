@@ -81,8 +81,8 @@ class _Conn:
             except OSError:
                 self.abort()
                 return
-            if up and data and not self.proxy._client_data(self, data):
-                return
+            if up and data:
+                self.proxy._client_data(self, data)
             item = (time.monotonic() + self.proxy.latency_s, data)
             while not self.closed.is_set():
                 try:
@@ -225,9 +225,8 @@ class FaultProxy:
         with self._lock:
             self._conns.discard(conn)
 
-    def _client_data(self, conn: _Conn, data: bytes) -> bool:
-        """A hook on every chunk from a client before it is queued; False stops reading this connection."""
-        return True
+    def _client_data(self, conn: _Conn, data: bytes) -> None:
+        """A hook on every chunk from a client before it is queued (ExecReplyDroppingProxy)."""
 
     def _accept(self) -> None:
         while not self._closed:

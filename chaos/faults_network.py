@@ -60,6 +60,11 @@ class TimedFault(Fault):
         self._heal()
         self.healed_at = time.monotonic()
 
+    def settle(self, timeout: float) -> bool:
+        # Speculation resumes once no draft breaker is open (a draft call may have timed out meanwhile on a busy
+        # host, the link fault slowing the loop); closed: a call succeeded since.
+        return self.h.wait_breakers(timeout, ("closed",))
+
     def held_ms(self) -> float:
         if self.injected_at is None or self.healed_at is None:
             return 0.0
@@ -129,7 +134,8 @@ class LinkPartition(LinkFault):
 
     def stall_bound_ms(self) -> float:
         # The calls wait (the target's: its 30 s deadline; the store's: socket timeouts, retried within the store
-        # grace) and go through at the heal; a store call that timed out just before it waits one more timeout.
+        # grace) and go through at the heal; a store call that timed out just before it may wait out two more
+        # timeouts (its retry by the Redis client included).
         extra = 2 * STORE_TIMEOUT_S * 1e3 if self.link == "redis" else 0.0
         return round(self.held_ms() + extra + self.steps_ms(), 1)
 
@@ -202,7 +208,8 @@ class RedisKill(TimedFault):
         redis.start()
 
     def stall_bound_ms(self) -> float:
-        # The outage (kill to restarted), one store timeout a call may still be waiting out, the slowest steps.
+        # The outage (kill to restarted), the store timeouts a call may still be waiting out (a call and the Redis
+        # client's own retry of it), the slowest fault-free steps.
         return round(self.held_ms() + 2 * STORE_TIMEOUT_S * 1e3 + self.steps_ms(), 1)
 
     def details(self) -> dict:
