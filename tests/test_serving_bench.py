@@ -226,3 +226,18 @@ def test_64_sessions_at_once_none_refused_or_starved():
         assert r.stats.get("draft_failures", 0) == 0, r.stats.get("draft_failures_by_kind")
         assert r.stats.get("fallback_steps", 0) == 0, r.stats
         assert r.stats.get("verify_steps", 0) > 0  # it speculated: each step went through the draft and the target
+
+
+def test_gpu_check_stops_with_a_clear_message_without_cuda():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "SPECDEC_PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 3, r.stderr
+    assert "gpu_check: no CUDA device: torch.cuda.is_available() is False" in r.stderr
+    assert "needs a machine with an NVIDIA GPU" in r.stderr and "==" not in r.stdout  # nothing else ran
