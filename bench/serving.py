@@ -44,13 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed-loop stream counts")
     p.add_argument("--request-rates", default=None,
                    help="open-loop Poisson rates in requests/s (default: 0.25, 0.5 and 0.75 x the highest "
-                        "target-only requests/s the closed-loop levels measured; 'none' = no open-loop levels)")
+                        "target-only requests/s the closed-loop levels measured, quick 0.5, 0.75 and 1.0 x; 'none' = no "
+                        "open-loop levels)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per request (default 64; quick 24)")
     p.add_argument("--min-requests", type=int, default=None,
-                   help="requests per closed-loop level at least (default 12; quick 4)")
+                   help="requests per closed-loop level at least (default 12; quick 3)")
     p.add_argument("--requests-per-stream", type=int, default=None,
                    help="requests each closed-loop stream sends at least (default 2; quick 1)")
-    p.add_argument("--poisson-requests", type=int, default=None, help="requests per open-loop rate (default 24; quick 8)")
+    p.add_argument("--poisson-requests", type=int, default=None, help="requests per open-loop rate (default 24; quick 6)")
     p.add_argument("--num-prompts", type=int, default=12, help="prompts from bench/prompts.py, cycled")
     p.add_argument("--seed", type=int, default=0, help="Poisson schedule seed")
     p.add_argument("--warmup-tokens", type=int, default=8)
@@ -70,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not a.concurrency or min(a.concurrency) < 1:
         p.error("--concurrency needs positive stream counts")
     a.max_new_tokens = a.max_new_tokens or (24 if q else 64)
-    a.min_requests = a.min_requests or (4 if q else 12)
+    a.min_requests = a.min_requests or (3 if q else 12)
     a.requests_per_stream = a.requests_per_stream or (1 if q else 2)
-    a.poisson_requests = a.poisson_requests or (8 if q else 24)
+    a.poisson_requests = a.poisson_requests or (6 if q else 24)
     if a.request_rates and a.request_rates.strip().lower() == "none":
         a.request_rates = []
     elif a.request_rates:
@@ -281,6 +282,13 @@ def start_stack(args):
             log.warning("stack start failed (%s), retrying on other ports", e)
 
 
+def _level_line(label: str, row: dict) -> str:
+    f = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    return (f"{label}: {f(row['spec_tokens_per_s'])} vs {f(row['target_only_tokens_per_s'])} tokens/s = "
+            f"{f(row['ratio'])}x; p99 TPOT {f(row['tpot_p99_ms'])} vs {f(row['target_only_tpot_p99_ms'])} ms; "
+            f"acceptance {f(row['acceptance_rate'])}, speculated {f(row['speculated_step_share'])}")
+
+
 def _progress(args, total: int):
     from tqdm import tqdm
 
@@ -313,7 +321,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for spec in (True, False):  # warm-up, untimed: connections, the first sessions, the policy's step costs
             progress.set_postfix_str("warm-up")
-            closed_loop(min(4, n_max), level_jobs(prompts, min(4, n_max)), clients, args.warmup_tokens, spec,
+            closed_loop(min(2, n_max), level_jobs(prompts, min(2, n_max)), clients, args.warmup_tokens, spec,
                         args.request_timeout_s)
             progress.update(1)
         for li, n in enumerate(args.concurrency):
@@ -333,10 +341,12 @@ def run(args: argparse.Namespace) -> dict:
                             same_outputs(got["speculative"][1], got["target_only"][1]))
             row["rss_mib_peak"] = {k: max(got[m][0]["rss_mib_peak"].get(k, 0.0) for m in MODES) for k in pids}
             levels.append(row)
+            progress.write(_level_line(f"{n} streams", row))
         rates = args.request_rates
         if rates is None:  # fractions of the saturated target-only request rate measured above
             peak = max((r["target_only_requests_per_s"] or 0.0) for r in levels)
-            rates = [round(f * peak, 3) for f in (0.25, 0.5, 0.75)] if peak > 0 else []
+            fractions = (0.5, 0.75, 1.0) if args.quick else (0.25, 0.5, 0.75)  # quick: shorter arrival spans
+            rates = [round(f * peak, 3) for f in fractions] if peak > 0 else []
         for ri, rate in enumerate(rates):
             arrivals = poisson_arrivals(rate, args.poisson_requests, seed=args.seed + ri)
             jobs = level_jobs(prompts, args.poisson_requests, offset=ri)
@@ -353,6 +363,7 @@ def run(args: argparse.Namespace) -> dict:
                             same_outputs(got["speculative"][1], got["target_only"][1]))
             row["arrival_span_s"] = arrivals[-1] if arrivals else 0.0
             poisson.append(row)
+            progress.write(_level_line(f"Poisson {rate}/s", row))
     finally:
         progress.close()
         for c in clients:

@@ -141,9 +141,12 @@ def _f(x, nd=2) -> str:
 
 
 def _level_context(row: dict) -> str:
-    return (f"acceptance {_f(row.get('acceptance_rate'))}, speculated on {_f(100 * (row.get('speculated_step_share') or 0), 0)}% "
-            f"of steps ({row['speculative'].get('load_shed_steps', 0)} load-shed, "
-            f"{row['speculative'].get('speculation_paused_steps', 0)} paused by the goodput policy)")
+    failed = [f"{m.replace('_', '-')}: {row[m]['errors']} of {row[m]['requests']} requests failed ({row[m]['first_error']})"
+              for m in ("speculative", "target_only") if row[m].get("errors")]
+    spec = row["speculative"]
+    return "; ".join([*failed, f"acceptance {_f(row.get('acceptance_rate'))}, speculated on "
+                      f"{_f(100 * (row.get('speculated_step_share') or 0), 0)}% of steps ({spec.get('load_shed_steps', 0)} "
+                      f"load-shed, {spec.get('speculation_paused_steps', 0)} paused by the goodput policy)"])
 
 
 def evaluate_targets(levels: list[dict]) -> dict:
@@ -172,7 +175,7 @@ def evaluate_targets(levels: list[dict]) -> dict:
             "value": worst["ratio"], "at_concurrency": worst["concurrency"],
             "why": "; ".join(f"{r['concurrency']} streams: {_f(r['spec_tokens_per_s'], 1)} vs "
                              f"{_f(r['target_only_tokens_per_s'], 1)} tokens/s = {_f(r['ratio'])}x, {_level_context(r)}"
-                             for r in low) or ("" if len(measured) == len(levels) else "some levels not measured")}
+                             for r in low + [r for r in levels if r["ratio"] is None])}
     tp = [r for r in levels if r.get("tpot_p99_ratio") is not None]
     if not tp:
         out["tpot_p99"] = {"met": None, "threshold": TPOT_P99_MAX_RATIO, "value": None,
@@ -186,5 +189,6 @@ def evaluate_targets(levels: list[dict]) -> dict:
             "why": "; ".join(f"{r['concurrency']} streams: p99 TPOT {_f(r['tpot_p99_ms'], 1)} vs "
                              f"{_f(r['target_only_tpot_p99_ms'], 1)} ms = {_f(r['tpot_p99_ratio'])}x (p50 "
                              f"{_f(r['tpot_p50_ms'], 1)} vs {_f(r['target_only_tpot_p50_ms'], 1)} ms), {_level_context(r)}"
-                             for r in high) or ("" if len(tp) == len(levels) else "some levels not measured")}
+                             for r in high) + "".join(f"; {r['concurrency']} streams not measured: {_level_context(r)}"
+                                                      for r in levels if r.get("tpot_p99_ratio") is None)}
     return out

@@ -26,16 +26,17 @@ def _pair(row: dict, key: str, nd=0) -> str:
 def table(rows: list[dict], key: str, header: str) -> list[str]:
     """One markdown table: speculative / target-only side by side per level."""
     out = [f"| {header} | output tokens/s spec / target-only | ratio | requests/s | TTFT p50 (ms) | TTFT p99 (ms) "
-           "| TPOT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | acceptance | steps speculated | same tokens |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TPOT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | acceptance | steps speculated | failed requests | same tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         level = _f(r[key], 3) if isinstance(r[key], float) else r[key]
+        failed = f"{r['speculative'].get('errors', 0)} / {r['target_only'].get('errors', 0)}"
         same = "n/a" if r.get("same_tokens") is None else "yes" if r["same_tokens"] else "NO"
         out.append(f"| {level} | {_f(r['spec_tokens_per_s'])} / {_f(r['target_only_tokens_per_s'])} "
                    f"| **{_f(r['ratio'], 2)}** | {_pair(r, 'requests_per_s', 2)} | {_pair(r, 'ttft_p50_ms')} "
                    f"| {_pair(r, 'ttft_p99_ms')} | {_pair(r, 'tpot_p50_ms')} | {_pair(r, 'tpot_p99_ms')} "
                    f"| {_pair(r, 'itl_p99_ms')} | {_f(r.get('acceptance_rate'), 2)} "
-                   f"| {_pct(r.get('speculated_step_share'))} | {same} |")
+                   f"| {_pct(r.get('speculated_step_share'))} | {failed} | {same} |")
     return out
 
 

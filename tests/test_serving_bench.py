@@ -105,6 +105,17 @@ def test_targets_met_and_missed_with_the_measurement():
     assert all(v["met"] is None and v["why"] for v in none.values())
 
 
+def test_a_level_with_failed_requests_says_so():
+    levels = _levels([1.8] * 7, [0.6] * 7)
+    last = levels[-1]
+    last["target_only"].update(errors=64, requests=64, first_error="UNAVAILABLE: target unavailable for 30 s")
+    last["ratio"] = last["tpot_p99_ratio"] = None
+    t = sm.evaluate_targets(levels)
+    assert t["every_level_ratio"]["met"] is False and t["tpot_p99"]["met"] is False
+    assert "target-only: 64 of 64 requests failed (UNAVAILABLE: target unavailable for 30 s)" in t["every_level_ratio"]["why"]
+    assert "64 streams not measured" in t["tpot_p99"]["why"]
+
+
 def test_same_outputs_compares_per_prompt():
     a = [_rec("x", [(0.1, 2)], 0.1, ids=[1, 2]), _rec("y", [(0.1, 1)], 0.1, ids=[3])]
     assert sm.same_outputs(a, [_rec("y", [(0.1, 1)], 0.1, ids=[3]), _rec("x", [(0.1, 2)], 0.1, ids=[1, 2])])
