@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> dict:
                             same_outputs(got["speculative"][1], got["target_only"][1]))
             row["rss_mib_peak"] = {k: max(got[m][0]["rss_mib_peak"].get(k, 0.0) for m in MODES) for k in pids}
             levels.append(row)
-            progress.write(_level_line(f"{n} streams", row))
+            progress.write(_level_line(f"{n} streams", row), file=sys.stderr)
         rates = args.request_rates
         if rates is None:  # fractions of the saturated target-only request rate measured above
             peak = max((r["target_only_requests_per_s"] or 0.0) for r in levels)
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace) -> dict:
                             same_outputs(got["speculative"][1], got["target_only"][1]))
             row["arrival_span_s"] = arrivals[-1] if arrivals else 0.0
             poisson.append(row)
-            progress.write(_level_line(f"Poisson {rate}/s", row))
+            progress.write(_level_line(f"Poisson {rate}/s", row), file=sys.stderr)
     finally:
         progress.close()
         for c in clients:
