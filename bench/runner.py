@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    if a.serving:
+        p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
     q = a.quick
     a.out_dir = a.out_dir or str(RESULTS_DIR / ("quick" if q else "full"))  # one current result set per mode
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
@@ -425,10 +427,6 @@ def write_outputs(res: dict, out_dir: str | os.PathLike) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--serving" in argv:  # its own options (bench/serving.py)
-        from bench.serving import main as serving_main
-
-        return serving_main(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     res = run(args)

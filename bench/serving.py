@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import platform
+import re
 import socket
 import sys
 import threading
@@ -199,11 +200,17 @@ def one_request(client, name: str, ids: list[int], max_new: int, speculative: bo
                 rec.refusals += 1
                 time.sleep(0.05 * (attempt + 1))
                 continue
-            rec.error = f"{getattr(code, 'name', type(e).__name__)}: {str(e)[:200]}"
+            rec.error = without_session_ids(f"{getattr(code, 'name', type(e).__name__)}: {str(e)}")[:200]
             return rec
         rec.wall_s, rec.token_ids, rec.tokens, rec.stats = r.wall_s, list(r.token_ids), len(r.token_ids), r.stats
         return rec
     return rec
+
+
+def without_session_ids(message: str) -> str:
+    """An error message without the "(session ID, interrupted at token N)" of a resumable failure: the report
+    compares failures across requests, and the ids are random."""
+    return re.sub(r"\s*\(session [^)]*\)", "", message)
 
 
 def closed_loop(n: int, jobs: list[tuple[str, list[int]]], clients: list, max_new: int, speculative: bool,
@@ -403,7 +410,7 @@ def memory_report(memory: dict, bounds: dict, n_max: int) -> dict:
 
 
 def assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, load_begin) -> dict:
-    from bench.runner import cpu_model
+    from bench.runner import cpu_model  # bench.runner imports nothing of this module
 
     ratios = [r["ratio"] for r in levels if r["ratio"] is not None]
     serving = {

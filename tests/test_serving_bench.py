@@ -162,7 +162,7 @@ def test_report_table_and_plot(tmp_path):
 
 @pytest.mark.serial  # real processes on a shared machine
 def test_serving_bench_end_to_end_json_shape(tmp_path):
-    from bench.runner import main
+    from bench.serving import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -252,3 +252,12 @@ def test_gpu_check_stops_with_a_clear_message_without_cuda():
     assert r.returncode == 3, r.stderr
     assert "gpu_check: no CUDA device: torch.cuda.is_available() is False" in r.stderr
     assert "needs a machine with an NVIDIA GPU" in r.stderr and "==" not in r.stdout  # nothing else ran
+
+
+def test_failed_requests_are_reported_without_their_session_ids():
+    from bench.serving import without_session_ids
+
+    msg = ("UNAVAILABLE: target unavailable for 30 s during decode: Deadline Exceeded; the session can be resumed "
+           "(session 8EtYs_icZxoMl6qBLNw0y6BI, interrupted at token 8)")
+    assert without_session_ids(msg) == ("UNAVAILABLE: target unavailable for 30 s during decode: Deadline Exceeded; "
+                                        "the session can be resumed")
