@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g = 4, no tree, HF target-only or --pipeline on")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
+    p.add_argument("--serving", action="store_true",
+                   help="the serving benchmark instead (bench/serving.py: closed-loop 1..64 streams and Poisson "
+                        "arrivals, speculative against target-only; `python -m bench --serving --help`)")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "quantized"], default="auto",
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    if a.serving:
+        p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
     q = a.quick
     a.out_dir = a.out_dir or str(RESULTS_DIR / ("quick" if q else "full"))  # one current result set per mode
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
@@ -421,10 +426,11 @@ def write_outputs(res: dict, out_dir: str | os.PathLike) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     res = run(args)
-    res["command"] = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["command"] = "python -m bench " + " ".join(argv)
     res["outputs"] = write_outputs(res, args.out_dir)
     if args.json:
         print(json.dumps(res, indent=2, default=float))

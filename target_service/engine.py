@@ -12,6 +12,7 @@ import torch
 from specdec.core import sampling
 from specdec import observability as telemetry
 from specdec.core import wire
+from specdec.core.grpc_util import call_deadline
 from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
 from specdec.models import LoadedModel
 from specdec.core.sampling import SamplingParams
@@ -49,13 +50,28 @@ class VerifyBatcher:
         threading.Thread(target=self._loop, name="verify-batcher", daemon=True).start()
 
     def submit(self, job: VerifyJob, timeout: float = 60.0) -> VerifyOutcome:
+        """Queue the job and wait for its batch: at most `timeout`, or until the calling RPC's deadline, after which
+        the batcher skips the job instead of computing work nobody waits for (retries would pile up behind it)."""
+        deadline = call_deadline()
+        job.deadline = min(deadline, time.monotonic() + timeout) if deadline is not None else None
+        wait = timeout if job.deadline is None else max(0.0, job.deadline - time.monotonic())
         try:
             self.queue.put(job, timeout=1.0)
         except queue.Full:
             raise MemoryError("verify queue is full") from None
-        if not job.done.wait(timeout):
-            raise TimeoutError("verify batch did not complete")
+        if not job.done.wait(wait):
+            raise TimeoutError("the target was busy: this step did not get its turn before the call's deadline")
         return job.outcome()
+
+    @staticmethod
+    def _expired(jobs: list[VerifyJob]) -> list[VerifyJob]:
+        """The jobs whose callers stopped waiting: failed, not computed."""
+        now = time.monotonic()
+        late = [j for j in jobs if j.deadline is not None and j.deadline <= now]
+        for j in late:
+            j.error = TimeoutError("the call's deadline passed before its batch ran")
+            j.done.set()
+        return late
 
     def _active(self, session_id: str, now: float) -> set[str]:
         """The sessions that submitted work lately (this one included): the batch waits for them, and a lone
@@ -90,6 +106,10 @@ class VerifyBatcher:
                 with self._seen_lock:
                     self._last_seen[jobs[-1].session_id] = time.monotonic()
                 waiting_for.discard(jobs[-1].session_id)
+            late = self._expired(jobs)
+            jobs = [j for j in jobs if j not in late]
+            if not jobs:
+                continue
             telemetry.record_batch(len(jobs))
             t0 = time.perf_counter()
             try:
@@ -188,6 +208,7 @@ class TargetEngine:
                         if batch_window_ms > 0 else None)
         self.forward_ms: list[float] = []  # profile_forward_ms's result, when the service measured it
         self.max_batch = max_batch if self.batcher is not None else 1
+        self._prefill_gate = threading.Lock()  # prefills run one at a time (prefill())
 
     @property
     def vocab_size(self) -> int:
@@ -210,8 +231,14 @@ class TargetEngine:
         return measure_profile(forward_ms, max_tokens, reps)
 
     def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+        """One prefill at a time, in arrival order: concurrent prefills share the cores and all finish late (32 at
+        once on 2 loaded cores all passed the orchestrator's 30 s deadline, so every session failed); one after
+        another, the first are served at once. A prefill whose caller stopped waiting is skipped."""
         sess = self.store.get(session_id)
-        with sess.lock:
+        with self._prefill_gate, sess.lock:
+            deadline = call_deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the target was busy: this prefill did not start before the call's deadline")
             if delta or prefix_len < len(sess.tokens):
                 new = self.lm.sync(sess, prefix_len, delta)
                 self.lm.extend(sess, new, keep=1)

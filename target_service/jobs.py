@@ -32,6 +32,7 @@ class VerifyJob:
     step: int
     tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
     generator: torch.Generator | None = None  # set by a batched Decode: one stream for all its tokens
+    deadline: float | None = None  # time.monotonic() its caller stops waiting: the batcher skips it after that
     result: VerifyOutcome | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import time
 from dataclasses import dataclass
 import logging
 from concurrent import futures
@@ -210,6 +212,17 @@ class RpcAbort(Exception):
         self.message = message
 
 
+# The running RPC's deadline (time.monotonic()), set by handle_errors for the service code under it: work queued
+# behind others checks it before it starts, so a call its client has given up on is not computed.
+_CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+
+
+def call_deadline() -> float | None:
+    """When the client of the RPC this thread serves stops waiting (time.monotonic()); None outside an RPC or
+    without a deadline."""
+    return _CALL_DEADLINE.get()
+
+
 def handle_errors(method):
     """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
     import functools
@@ -218,6 +231,8 @@ def handle_errors(method):
 
     @functools.wraps(method)
     def wrapper(self, request, context):
+        remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
+        token = _CALL_DEADLINE.set(time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None)
         try:
             return method(self, request, context)
         except RpcAbort as e:
@@ -230,11 +245,15 @@ def handle_errors(method):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except MemoryError:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
+        except TimeoutError as e:  # queued work that did not start or finish before the call's deadline
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded")
         except Exception as e:  # noqa: BLE001 - last line of defence for a server
             if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
                 raise
             log.exception("unhandled error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            _CALL_DEADLINE.reset(token)
 
     return wrapper
 
