@@ -183,3 +183,70 @@ def test_a_generation_whose_target_is_killed_moves_to_the_other_and_does_not_wai
     finally:
         client.close()
         stack.stop()
+
+
+def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_moves(redis_url):
+    """dns:///NAME:PORT for targets: real target services on two loopback addresses behind a fake resolver;
+    one appearing is used, one disappearing loses its sessions to the other, mid-generation, tokens unchanged."""
+    from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server
+    from orchestrator.session_store import open_store
+    from orchestrator.settings import LoopConfig
+    from specdec.core.kv_cache import SessionCacheStore
+    from target_service.engine import TargetEngine
+    from target_service.server import build_server as build_target_server
+    from tests.harness import model
+    from tests.test_discovery import FakeDns, wait_until
+
+    tl = model(TINY)
+    engines = [TargetEngine(tl, SessionCacheStore()) for _ in range(2)]
+    for engine in engines:  # 20 ms a Decode: the stream is still going when DNS changes
+        decode = engine.decode
+        engine.decode = lambda *args, decode=decode, **kwargs: (time.sleep(0.02), decode(*args, **kwargs))[1]
+    a = build_target_server(engines[0], "127.0.0.1:0").start()
+    port = int(a.address.rsplit(":", 1)[1])
+    b = build_target_server(engines[1], f"127.0.0.2:{port}").start()  # the same port on another address, as pods
+    addr_a, addr_b = f"127.0.0.1:{port}", f"127.0.0.2:{port}"
+    dns = FakeDns(addr_a)
+    pool = TargetPool([f"dns:///target.test:{port}"], resolve=dns, resolve_interval_s=0.1)
+    servicer = server = client = None
+    try:
+        target_info = pool.connect(20)
+        servicer = OrchestratorServicer(pool, None, open_store(redis_url), tl.tokenizer, target_info,
+                                        LoopConfig(target_grace_s=30), max_new_tokens_limit=900)
+        server = build_orchestrator_server(servicer, "127.0.0.1:0").start()
+        client = SpecdecClient(server.address, timeout_s=120)
+        prompt = [1, 5, 9, 12, 5, 9]
+        reference = client.generate(prompt, max_new_tokens=300, ignore_eos=True).token_ids
+
+        dns.addresses = [addr_a, addr_b]  # a replica appears: sessions are placed on it without a restart
+        assert wait_until(lambda: [r.address for r in pool.replicas] == [addr_a, addr_b])
+        sid = next(f"s{i}" for i in range(100) if max((addr_a, addr_b), key=lambda x: rank(f"s{i}", x)) == addr_b)
+        seat = pool.seat(sid)
+        assert seat.current()[0].address == addr_b
+        seat.leave()
+
+        tokens, state, stats = [], {}, None
+        for msg in client.stream(prompt, max_new_tokens=300, ignore_eos=True):
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if len(tokens) >= 8 and not state:
+                on = max((addr_a, addr_b), key=lambda x: rank(msg.session_id, x))  # alone: its top replica
+                assert pool.by_address(on).sessions == 1
+                state["stayed"] = addr_a if on == addr_b else addr_b
+                dns.addresses = [state["stayed"]]  # its replica leaves the pool (still running: DNS says so)
+                assert pool.refresh() == [state["stayed"]]
+                state["at"], state["tokens"] = time.monotonic(), len(tokens)
+        assert state["tokens"] < 300, "the generation ended before its replica left"
+        assert tokens == reference
+        assert time.monotonic() - state["at"] < 10  # it moved; it did not wait out the 30 s grace period
+        assert stats.target_resyncs >= 1 and pool.by_address(state["stayed"]).sessions == 0
+    finally:
+        if client is not None:
+            client.close()
+        if servicer is not None:
+            servicer.close()
+        pool.close()
+        for s in (server, a, b):
+            if s is not None:
+                s.stop(0)
