@@ -220,6 +220,29 @@ class TargetPool(ReplicaPool):
         return self.replicas[0].client if self.replicas else None
 
 
+def open_targets(addresses: str, startup_timeout_s: float, **pool_kwargs) -> tuple[TargetPool, common_pb2.ModelInfo]:
+    """The pool of the comma-separated target ``addresses`` and its ModelInfo (TargetPool.connect); a replica that
+    joins later must serve the same model (model_mismatch). Raises ValueError (no address), TargetsUnreachable or
+    IncompatibleTargets, the pool closed."""
+    listed = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not listed:
+        raise ValueError("give at least one target address")
+    reference: dict = {}
+
+    def check(replica, info) -> None:
+        problem = model_mismatch(reference["info"], info) if "info" in reference else None
+        if problem:
+            raise IncompatibleTargets(f"target {replica.address} {problem}")
+
+    pool = TargetPool(listed, on_info=check, **pool_kwargs)
+    try:
+        reference["info"] = pool.connect(startup_timeout_s)
+    except BaseException:
+        pool.close()
+        raise
+    return pool, reference["info"]
+
+
 class TargetSeat:
     """One session's place in the pool: the replica it is on, moved when that one fails."""
 

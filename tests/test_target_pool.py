@@ -250,3 +250,17 @@ def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_move
         for s in (server, a, b):
             if s is not None:
                 s.stop(0)
+
+
+def test_bad_target_addresses_are_refused_with_a_reason():
+    import argparse
+
+    from orchestrator import server
+    from orchestrator.target_pool import open_targets
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    with pytest.raises(SystemExit, match="--target: .*needs a host and a port"):
+        server.serve(p.parse_args(["--target", "127.0.0.1:50052,dns:///target"]))
+    with pytest.raises(ValueError, match="at least one target address"):
+        open_targets(" , ", 1.0)
