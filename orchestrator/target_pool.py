@@ -173,20 +173,23 @@ class TargetPool(ReplicaPool):
 
     # -- placement --------------------------------------------------------------------------------------
 
+    def _eligible(self, replica: TargetReplica) -> bool:
+        """Not refused, and its ModelInfo checked (in a pool that checks them)."""
+        return replica.refused is None and (replica.info is not None or self.on_info is None)
+
     def usable(self, replica: TargetReplica) -> bool:
-        """Not refused, its ModelInfo checked (a pool that checks them), its breaker not open."""
-        checked = replica.info is not None or self.on_info is None
-        return replica.refused is None and checked and replica.breaker.state != OPEN
+        return self._eligible(replica) and replica.breaker.state != OPEN
 
     def any_available(self) -> bool:
         return any(self.usable(r) for r in self.replicas)
 
-    def place(self, session_id: str, avoid: TargetReplica | None = None) -> TargetReplica | None:
-        """A replica for the session (see the module docstring), counted as holding it; None: none usable now."""
-        ranked = [r for r in self.ranking(session_id) if r is not avoid and self.usable(r)]
+    def place(self, session_id: str) -> TargetReplica | None:
+        """A replica for the session (see the module docstring), counted as holding it; None: none usable now. A
+        replica whose breaker's back-off is over takes the session as its probe."""
+        ranked = [r for r in self.ranking(session_id) if self._eligible(r)]
         with self._load_lock:
-            total = sum(r.sessions for r in ranked)
-            bound = math.ceil(LOAD_SLACK * (total + 1) / len(ranked)) if ranked else 0
+            live = [r for r in ranked if r.breaker.state != OPEN]
+            bound = math.ceil(LOAD_SLACK * (sum(r.sessions for r in live) + 1) / max(1, len(live)))
             for within_bound in (True, False):
                 for r in ranked:
                     if (not within_bound or r.sessions < bound) and r.breaker.allow():

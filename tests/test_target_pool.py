@@ -264,3 +264,20 @@ def test_bad_target_addresses_are_refused_with_a_reason():
         server.serve(p.parse_args(["--target", "127.0.0.1:50052,dns:///target"]))
     with pytest.raises(ValueError, match="at least one target address"):
         open_targets(" , ", 1.0)
+
+
+def test_a_target_opened_by_a_deadline_is_probed_again_after_its_back_off():
+    """A deadline opens the breaker 'health-blind' (a slow target passes health checks): only the back-off ends it,
+    and the next placement after it probes the replica."""
+    pool = quiet_pool(ADDRESSES[:1], breaker_open_s=0.2)
+    try:
+        seat = pool.seat("slow")
+        replica, _ = seat.current()
+        seat.failed(health_blind=True)
+        assert seat.current() == (None, False)
+        time.sleep(0.3)
+        assert seat.current() == (replica, False)  # the same replica again: not a move
+        replica.breaker.success()
+        assert replica.breaker.state == "closed"
+    finally:
+        pool.close()
