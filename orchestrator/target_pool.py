@@ -26,7 +26,7 @@ import grpc
 
 from orchestrator.clients import TargetClient
 from orchestrator.discovery import Resolve
-from orchestrator.replica_pool import CLOSED, OPEN, CircuitBreaker, Replica, ReplicaPool
+from orchestrator.replica_pool import OPEN, CircuitBreaker, Replica, ReplicaPool
 from specdec.core.grpc_util import make_channel
 from specdec.v1 import common_pb2
 
@@ -143,7 +143,7 @@ class TargetPool(ReplicaPool):
             raise TargetsUnreachable(f"the target addresses resolved to nothing within {timeout_s:g} s")
         executor = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="target-info")
         futures = {executor.submit(r.client.info, timeout_s): r for r in self.replicas}
-        pending, answered, errors = set(futures), [], []
+        pending, answered, errors, first_at = set(futures), [], [], 0.0
         try:
             while pending:
                 end = deadline if not answered else min(deadline, first_at + others_s)

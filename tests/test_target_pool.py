@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from orchestrator.replica_pool import OPEN, rank
