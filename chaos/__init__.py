@@ -12,4 +12,6 @@ SCENARIOS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts", "redis
 NETWORK_SCENARIOS = ("target_latency", "target_partition", "target_conn_drop", "redis_latency", "redis_partition",
                      "redis_conn_drop", "redis_sigkill", "redis_empty_restart")
 SCENARIOS += NETWORK_SCENARIOS
+# Two target replicas: its own stack (chaos/target_pool.py); kept last, it restarts the harness
+SCENARIOS += ("kill_target_pool",)
 DRAFT_FAULTS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts")

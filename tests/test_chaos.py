@@ -86,6 +86,11 @@ def test_scenario(results, name):
         assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)  # streams just paused
         assert res["target_resyncs"] > 0, _why(res)  # the restarted target rebuilt the caches
         assert res["fault"]["outage_s"] < res["config"]["target_grace_s"], _why(res)
+    elif name == "kill_target_pool":
+        assert res["config"]["target_replicas"] == 2, _why(res)
+        assert res["resumes"] == 0 and res["target_resyncs"] > 0, _why(res)  # streams moved to the other target
+        # No stream waited for the killed target: the longest stall is far below the grace period.
+        assert res["max_stall_ms"] < res["config"]["target_grace_s"] * 1e3 / 3, _why(res)
     elif name == "redis_restart":
         assert res["resumes"] == 0, _why(res)  # in-flight streams waited for the store
         assert res["fault"]["outage_s"] < res["config"]["store_grace_s"], _why(res)
