@@ -7,5 +7,5 @@ See docs/chaos.md for what each scenario does and what it checks.
 """
 
 SCENARIOS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts", "redis_restart", "kill_target",
-             "kill_orchestrator")
+             "kill_orchestrator") + ("slow_target", "hang_target", "sampling_draft_faults")  # chaos/faults_target.py
 DRAFT_FAULTS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts")
