@@ -206,3 +206,23 @@ def test_stall_bound_counts_the_longest_fault_free_step():
     assert slow["contention"] == 2.0 and slow["bound_ms"] == 48.0 + 2 * 74 * 6.0 + 6 * 37.0 * 2.0
     h.opts = ChaosOptions(draft_timeout_floor_ms=1000.0, draft_timeout_factor=2.0)  # the floor, where it is longer
     assert h.stall_bound(3.0)["draft_deadline_ms"] == 1000.0
+
+
+def test_soak_reads_each_process_rss_and_prints_a_table():
+    import os
+    import subprocess
+
+    from chaos.__main__ import _soak_text, parse_args
+    from chaos.soak import rss_mb
+
+    assert rss_mb(os.getpid()) > 10.0  # this interpreter: torch and friends are loaded
+    assert rss_mb(None) is None
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert rss_mb(gone.pid) is None
+    assert parse_args(["--soak", "2.5", "--scenario", "none"]).soak == 2.5
+    summary = {"soak_minutes": 1, "runs": 3, "failed_runs": [], "ok": True,
+               "rss_start": {"target": {"pid": 10, "rss_mb": 300.0}, "draft0": {"pid": 11, "rss_mb": 200.0}},
+               "rss_end": {"target": {"pid": 10, "rss_mb": 310.0}, "draft0": {"pid": 12, "rss_mb": 190.0}}}
+    text = _soak_text(summary)
+    assert "target" in text and "310.0" in text and "(restarted)" in text.splitlines()[-1]
