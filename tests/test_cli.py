@@ -259,20 +259,27 @@ def test_the_startup_report_rewrites_one_line_on_a_terminal_and_prints_changes_e
 
 
 @pytest.mark.serial  # a signal sent while services start
+def _specdec_up(model: str, log_dir):
+    """`specdec up` in a child process: tiny models whose seed names this test's services among the machine's."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
+                             "--http-port", "0",
+                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
+                             "--log-dir", str(log_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     import signal
     import subprocess
-    import sys
     import time
 
     import os
 
     # The seed names this run's services among the machine's processes (other runs of this test may be going on).
     model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
-                             "--http-port", "0",
-                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
-                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _specdec_up(model, tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "target.log").exists() and time.monotonic() < deadline:
@@ -294,14 +301,10 @@ def test_sigterm_to_up_at_any_moment_stops_everything_it_started(tmp_path, momen
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid() + 1000 + len(moment)}"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
-                             "--http-port", "0",
-                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
-                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _specdec_up(model, tmp_path)
     try:
         deadline = time.monotonic() + 120
         if moment == "serving":
