@@ -142,6 +142,11 @@ class KillOrchestrator(Fault):
     def heal(self):
         self.h.stack.start_orchestrator()
 
+    def settle(self, timeout: float) -> bool:
+        """Until the new orchestrator speculates again: its first draft calls (a burst of resumed sessions, cold
+        draft caches, no measured target step yet) may time out and open breakers for a while."""
+        return self.h.wait_speculating(timeout)
+
 
 class RedisRestart(Fault):
     def prepare(self):

@@ -70,7 +70,7 @@ class ChaosOptions:
 
     @classmethod
     def quick_preset(cls, **overrides) -> "ChaosOptions":
-        base = dict(requests=16, max_new_tokens=48, concurrency=8, time_limit_s=60.0, fault_s=(0.6, 1.2),
+        base = dict(requests=16, max_new_tokens=48, concurrency=8, time_limit_s=90.0, fault_s=(0.6, 1.2),
                     prompts=8, extension_think_s=0.5, quick=True)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
@@ -247,6 +247,21 @@ class ChaosHarness:
             b = self.breakers()
             if b and all(s in states for s in b.values()):
                 return True
+            time.sleep(0.2)
+        return False
+
+    def wait_speculating(self, timeout: float) -> bool:
+        """Until a short request is verified speculatively without a draft failure and every breaker is closed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with SpecdecClient(self.address) as c:
+                    st = c.generate(self.prompts[0], max_new_tokens=8, ignore_eos=True, timeout_s=10).stats
+                if st.get("verify_steps", 0) > 0 and not st.get("draft_failures") and self.wait_breakers(
+                        max(0.0, deadline - time.monotonic()), ("closed",)):
+                    return True
+            except grpc.RpcError:
+                pass
             time.sleep(0.2)
         return False
 
