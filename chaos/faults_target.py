@@ -11,6 +11,7 @@ and checks to the result.
 
 from __future__ import annotations
 
+import json
 import signal
 import statistics
 import threading
@@ -73,6 +74,21 @@ def _target_checks(res: dict, records: list, timeline, extra_ms: float, name: st
                                f"+ {terms['steps']} x {terms['step_ms']} ms"}
 
 
+def delayed_calls(proc) -> int:
+    """How many calls the target had delayed by its last latency toggle (its log line says)."""
+    count = 0
+    try:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if "injected latency toggled" in line:
+                try:
+                    count = int(json.loads(line).get("delayed_calls", 0))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return count
+
+
 class SlowTarget(TargetSideFault):
     """Every Verify and Decode sleeps L ms: streams slow down and go on; nothing fails over or breaks."""
 
@@ -81,13 +97,16 @@ class SlowTarget(TargetSideFault):
 
     def heal(self):
         self.h.set_target_latency(False)
+        self.delayed_calls = delayed_calls(self.h.stack.target)
 
     def judge(self, res, records, timeline):
         lat = self.h.opts.slow_target_ms
         # A message may wait for two slowed target calls (a Verify, then a Decode after a failed draft or a resync).
         _target_checks(res, records, timeline, 2 * lat, "two slowed target calls")
         c = res["checks"]
-        c["fault_exercised"] = res["max_stall_in_fault_window_ms"] >= lat  # a step paid the latency
+        # The target slept in calls (its log says how many), and a stream waited at least that long meanwhile.
+        res["target_delayed_calls"] = getattr(self, "delayed_calls", 0)
+        c["fault_exercised"] = res["target_delayed_calls"] > 0 and res["max_stall_in_fault_window_ms"] >= lat
         # Throughput resumes: a step yields at most draft_len + 1 tokens, so a request that still paid the latency
         # would take at least ceil(n / (draft_len + 1)) x L; the post-heal requests' median is below that.
         o = self.h.opts
@@ -112,7 +131,7 @@ class HangTarget(TargetSideFault):
         _target_checks(res, records, timeline, outage_ms, "the hang")
         c = res["checks"]
         c["within_target_grace"] = outage_ms / 1e3 < res["config"]["target_grace_s"]
-        c["fault_exercised"] = res["max_stall_in_fault_window_ms"] >= 0.5 * outage_ms  # streams did wait
+        c["fault_exercised"] = res["max_stall_in_fault_window_ms"] >= 0.9 * outage_ms  # a stream waited it out
 
 
 def exact_first_tokens(target_model: str, prompt: list[int], n: int = SAMPLED_TOKENS) -> dict:

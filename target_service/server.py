@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
 import time
 
 import grpc
@@ -27,6 +28,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # Fault injection for the chaos suite: armed by the flag, off until SIGUSR1 turns it on (see serve).
         self.inject_latency_ms = inject_latency_ms
         self.latency_enabled = False
+        self.delayed_calls = 0  # the calls that slept, logged at each toggle
+        self._delay_lock = threading.Lock()
         self.max_decode_tokens = max_decode_tokens
         loaded = engine.loaded
         self.info = common_pb2.ModelInfo(
@@ -136,6 +139,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _injected_latency(self) -> None:
         if self.latency_enabled:
+            with self._delay_lock:
+                self.delayed_calls += 1
             time.sleep(self.inject_latency_ms / 1e3)
 
     @handle_errors
@@ -193,8 +198,10 @@ def serve(args: argparse.Namespace) -> None:
                           inject_latency_ms=args.inject_latency_ms).start()
     if args.inject_latency_ms > 0:
         def _toggle(signum, frame):
-            server.servicer.latency_enabled = not server.servicer.latency_enabled
-            log.warning("injected latency toggled", extra={"enabled": server.servicer.latency_enabled})
+            s = server.servicer
+            s.latency_enabled = not s.latency_enabled
+            log.warning("injected latency toggled", extra={"enabled": s.latency_enabled,
+                                                           "delayed_calls": s.delayed_calls})
 
         signal.signal(signal.SIGUSR1, _toggle)
     telemetry.ready(server.address)

@@ -143,6 +143,9 @@ def test_target_fault_checks_without_services():
         return res
 
     slow = SlowTarget(h, None)
+    slow.delayed_calls = 0  # the target's log: no call slept
+    assert not judged(slow, 700.0, 350.0, 0.5)["checks"]["fault_exercised"]
+    slow.delayed_calls = 12
     res = judged(slow, 700.0, 350.0, 0.5)
     assert res["stall_bound_ms"] == 600.0 + 300.0 and all(res["checks"].values()), res
     assert not judged(slow, 901.0, 350.0, 0.5)["checks"]["stall_within_bound"]
@@ -152,6 +155,7 @@ def test_target_fault_checks_without_services():
     res = judged(hang, 1200.0, 900.0, 0.5, outage_s=1.0)
     assert res["stall_bound_ms"] == 1000.0 + 300.0 and all(res["checks"].values()), res
     assert not judged(hang, 1200.0, 900.0, 0.5, outage_s=31.0)["checks"]["within_target_grace"]
+    assert not judged(hang, 1200.0, 500.0, 0.5)["checks"]["fault_exercised"]  # no stream waited the hang out
 
 
 def test_exact_first_tokens_is_a_distribution():
