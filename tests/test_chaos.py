@@ -1,6 +1,6 @@
 """The chaos suite, quick version: every scenario on one shared stack of real processes (docs/chaos.md).
 
-One `python -m chaos --scenario all --quick --json` run (about 2 minutes here) feeds one test per scenario.
+One `python -m chaos --scenario all --quick --json` run (5-7 minutes on 2 busy cores) feeds one test per scenario.
 """
 
 import json
