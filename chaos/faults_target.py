@@ -223,6 +223,15 @@ class SamplingDraftFaults(TargetSideFault):
         c["fault_exercised"] = res["fallback_steps"] > 0 and res["draft_failures"] + res["replica_failovers"] > 0
         res["stall_bound_ms"] = res["stall_bound"]["bound_ms"]  # the draft faults' bound (docs/chaos.md)
         c["stall_within_bound"] = res["max_stall_ms"] <= res["stall_bound_ms"]
+        # 8-token requests: one draft call that misses its deadline on a busy host (its breaker opens for a second)
+        # makes a whole request two target-only chunks, so not every post-heal request must verify drafts: three in
+        # four, with tokens accepted.
+        post = [r for r in records if r.phase == "post_heal"]
+        verified = sum(int(r.stats.get("verify_steps", 0) or 0) > 0 for r in post)
+        res["post_heal_verified_share"] = round(verified / len(post), 3) if post else 0.0
+        res["speculation_resumed"] = (bool(post) and all(r.completed for r in post)
+                                      and res["post_heal_verified_share"] >= 0.75 and res["post_heal_accepted_tokens"] > 0)
+        c["speculation_resumed"] = res["speculation_resumed"]
         c["target_distribution"] = p_all is not None and n_all >= self.min_requests and p_all > ALPHA
         # The requests run while the fault lasted, and those that ran on a fault path, each tested on their own.
         c["target_distribution_in_fault_window"] = n_win < MIN_WINDOW_SAMPLES or p_win > ALPHA
