@@ -231,6 +231,7 @@ def cmd_up(args) -> int:
         signal.signal(signal.SIGTERM, lambda *a: stop.set())
         signal.signal(signal.SIGINT, lambda *a: stop.set())
 
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _terminated)  # until the stack serves, SIGTERM unwinds like Ctrl-C
     try:
         print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
@@ -244,7 +245,11 @@ def cmd_up(args) -> int:
             pass
     finally:
         stop_quietly()
-        stack.stop()  # everything the stack recorded, also after a signal in the middle of its start
+        try:
+            stack.stop()  # everything the stack recorded, also after a signal in the middle of its start
+        finally:
+            for sig, handler in previous.items():  # the caller's handlers again (cmd_up may run in-process)
+                signal.signal(sig, handler)
     return 0
 
 
