@@ -236,11 +236,11 @@ def cmd_up(args) -> int:
     try:
         print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
         _start(stack, "up")
+        stop_quietly()  # it serves: a signal from now on (one that read the line below too) asks it to stop
         print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
                           "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
                           "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
                           "cpu_affinity": stack.cpu_affinity()}), flush=True)
-        stop_quietly()
         while not stop.wait(0.5):
             pass
     finally:
