@@ -12,6 +12,8 @@ SCENARIOS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts", "redis
 NETWORK_SCENARIOS = ("target_latency", "target_partition", "target_conn_drop", "redis_latency", "redis_partition",
                      "redis_conn_drop", "redis_sigkill", "redis_empty_restart")
 SCENARIOS += NETWORK_SCENARIOS
+# A slowed or hung target, and sampling under draft faults (chaos/faults_target.py)
+SCENARIOS += ("slow_target", "hang_target", "sampling_draft_faults")
 # Two target replicas: its own stack (chaos/target_pool.py); kept last, it restarts the harness
 SCENARIOS += ("kill_target_pool",)
 DRAFT_FAULTS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts")

@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from chaos import SCENARIOS  # noqa: E402
 from chaos.harness import TINY_DRAFT, TINY_TARGET, ChaosOptions  # noqa: E402
 from chaos.scenarios import run_scenarios  # noqa: E402
+from chaos.soak import PLAIN, soak  # noqa: E402
 
 SUMMARY_KEYS = ("scenario", "requests", "completed", "failed", "mismatched_tokens", "fallback_steps",
                 "speculation_resumed", "max_stall_ms", "stall_bound_ms", "replica_failovers", "resumes", "ok")
@@ -45,8 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-grace-s", type=float, default=None)
     p.add_argument("--store-grace-s", type=float, default=None)
     p.add_argument("--slow-latency-ms", type=float, default=None)
+    p.add_argument("--slow-target-ms", type=float, default=None, help="slow_target: latency per Verify/Decode")
     p.add_argument("--log-dir", default=None, help="service logs (default: a new temporary directory)")
     p.add_argument("--fresh-stack", action="store_true", help="a new stack per scenario instead of a shared one")
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                   help="keep one stack under load this long, cycling the scenarios (--scenario none: plain load), "
+                        "and report every process's RSS at the start and the end")
     return p.parse_args(argv)
 
 
@@ -59,7 +64,7 @@ def options(args: argparse.Namespace) -> ChaosOptions:
                      draft_timeout_floor_ms=args.draft_timeout_floor_ms,
                      draft_timeout_factor=args.draft_timeout_factor, breaker_open_s=args.breaker_open_s,
                      target_grace_s=args.target_grace_s, store_grace_s=args.store_grace_s,
-                     slow_latency_ms=args.slow_latency_ms)
+                     slow_latency_ms=args.slow_latency_ms, slow_target_ms=args.slow_target_ms)
     fixed = dict(seed=args.seed, target_model=args.target_model, draft_strategy=args.draft_strategy,
                  draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
                  threads=args.threads, device=args.device, dtype=args.dtype, log_dir=args.log_dir,
@@ -69,12 +74,23 @@ def options(args: argparse.Namespace) -> ChaosOptions:
     return ChaosOptions(**{k: v for k, v in overrides.items() if v is not None}, **fixed)
 
 
+def _soak_text(summary: dict) -> str:
+    rows = [f"soak {summary['soak_minutes']} min: {summary['runs']} runs, {len(summary['failed_runs'])} failed, "
+            f"ok={summary['ok']}", "process                 RSS start MB   RSS end MB"]
+    for name, start in summary["rss_start"].items():
+        end = summary["rss_end"].get(name, {})
+        restarted = " (restarted)" if end.get("pid") != start["pid"] else ""
+        rows.append(f"{name:<22} {start['rss_mb']!s:>12} {end.get('rss_mb')!s:>12}{restarted}")
+    return "\n".join(rows + summary["failed_runs"])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     names = args.scenario or ["all"]
     if "all" in names:
         names = list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    allowed = (*SCENARIOS, PLAIN) if args.soak is not None else SCENARIOS
+    unknown = [n for n in names if n not in allowed]
     if unknown:
         raise SystemExit(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)} or all")
 
@@ -87,6 +103,10 @@ def main(argv=None) -> int:
                 bad = [k for k, v in (res.get("checks") or {}).items() if not v]
                 print(f"    FAILED checks: {bad or res.get('error')}  (logs: {res.get('log_dir')})", flush=True)
 
+    if args.soak is not None:
+        summary = soak(names, options(args), args.soak, emit)
+        print(json.dumps(summary) if args.json else _soak_text(summary), flush=True)
+        return 0 if summary["ok"] else 1
     results = run_scenarios(names, options(args), emit)
     return 0 if all(r.get("ok") for r in results) else 1
 

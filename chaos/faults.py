@@ -7,6 +7,7 @@ import random
 import signal
 import threading
 
+from chaos.faults_target import TARGET_FAULTS
 from chaos.harness import ChaosHarness
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
 from orchestrator.draft_pool import _rank
@@ -50,6 +51,15 @@ class Fault:
     def settle(self, timeout: float) -> bool:
         """Wait until the orchestrator uses the healed service again."""
         return True
+
+    min_requests = 0  # requests a scenario issues at least (beyond ChaosOptions.requests)
+
+    def stream_args(self, rec) -> dict:
+        """Overrides of the request's prompt, max_new_tokens and sampling parameters (default: greedy)."""
+        return {}
+
+    def judge(self, res: dict, records: list, timeline) -> None:
+        """Add the fault's own figures and checks to the result."""
 
 
 class DraftFault(Fault):
@@ -148,6 +158,11 @@ class KillOrchestrator(Fault):
     def heal(self):
         self.h.stack.start_orchestrator()
 
+    def settle(self, timeout: float) -> bool:
+        """Until the new orchestrator speculates again: its first draft calls (a burst of resumed sessions, cold
+        draft caches, no measured target step yet) may time out and open breakers for a while."""
+        return self.h.wait_speculating(timeout)
+
 
 class RedisRestart(Fault):
     def prepare(self):
@@ -163,4 +178,4 @@ class RedisRestart(Fault):
 
 FAULTS = {"kill_draft": KillDraft, "kill_all_drafts": KillAllDrafts, "hang_draft": HangDraft,
           "slow_draft": SlowDraft, "kill_target": KillTarget, "kill_orchestrator": KillOrchestrator,
-          "redis_restart": RedisRestart}
+          "redis_restart": RedisRestart, **TARGET_FAULTS}

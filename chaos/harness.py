@@ -35,16 +35,16 @@ TEXT_PROMPTS = [
 
 @dataclass
 class ChaosOptions:
-    requests: int = 24                 # phase-1 requests at least (the load keeps going until the heal settles)
+    requests: int = 96                 # phase-1 requests at least (the load keeps going until the heal settles)
     max_new_tokens: int = 64
-    concurrency: int = 4
+    concurrency: int = 32
     time_limit_s: float = 180.0        # per scenario: no request is started after it
     seed: int = 0
     quick: bool = False
     post_heal_requests: int = 0        # 0: max(2, concurrency)
     fault_s: tuple = (2.0, 4.0)        # seeded fault duration range (before the heal starts)
     trigger_frac: tuple = (0.1, 0.3)   # seeded: inject after this fraction of phase 1's expected tokens
-    prompts: int = 8
+    prompts: int = 32                  # the baseline runs one request per prompt: as many as the concurrency
     extension_think_s: float = 0.0     # pause between a worker's requests once `requests` were issued
     target_model: str = TINY_TARGET
     draft_strategy: str = "model"
@@ -64,14 +64,15 @@ class ChaosOptions:
     store_grace_s: float = 10.0
     fallback_chunk: int = 4
     slow_latency_ms: float = 300.0     # slow_draft: per-Propose latency, well above the draft deadline
+    slow_target_ms: float = 300.0      # slow_target: per-Verify/Decode latency, armed by the target's flag
     stall_steps: float = 0.0           # M in the stall bound; 0: fallback_chunk + 2
     log_dir: str | None = None
     fresh_stack: bool = False
 
     @classmethod
     def quick_preset(cls, **overrides) -> "ChaosOptions":
-        base = dict(requests=6, max_new_tokens=48, concurrency=2, time_limit_s=60.0, fault_s=(0.6, 1.2),
-                    prompts=6, extension_think_s=0.5, quick=True)
+        base = dict(requests=16, max_new_tokens=48, concurrency=8, time_limit_s=90.0, fault_s=(0.6, 1.2),
+                    prompts=8, extension_think_s=0.5, quick=True)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -122,6 +123,7 @@ class ChaosHarness:
         self.baseline: dict = {}
         self.latency_flag: list[bool] = []    # replica i was started with --inject-latency-ms (SIGUSR1 toggles it)
         self.latency_on: list[bool] = []
+        self.target_latency_on = False        # the target's injected latency (slow_target), off at start
         self._log_offsets: dict[str, int] = {}
         self.proxies: dict = {}  # link name -> the FaultProxy the orchestrator reaches it through (faults_network)
 
@@ -138,7 +140,8 @@ class ChaosHarness:
                           draft_len=o.draft_len, adaptive_draft_len=False,
                           store="redis", threads=o.threads,
                           device=o.device, dtype=o.dtype, orchestrator_args=orch,
-                          draft_args=["--inject-latency-ms", str(o.slow_latency_ms)])
+                          draft_args=["--inject-latency-ms", str(o.slow_latency_ms)],
+                          target_args=["--inject-latency-ms", str(o.slow_target_ms)])  # armed, off until SIGUSR1
         self.stack = LocalStack(cfg, o.log_dir).start(timeout=300)
         self.latency_flag = [True] * len(self.stack.drafts)
         self.latency_on = [True] * len(self.stack.drafts)  # a replica starts with its injected latency on
@@ -151,7 +154,7 @@ class ChaosHarness:
     def stop(self) -> None:
         if self.stack is not None:
             s = self.stack
-            for d in s.drafts:
+            for d in [*s.drafts, *s.targets]:
                 d.signal(signal.SIGCONT)
             procs = [p for p in [s.orchestrator, *s.drafts, *s.targets] if p is not None]
             threads = [threading.Thread(target=p.stop, daemon=True) for p in procs]  # in parallel: faster
@@ -189,6 +192,11 @@ class ChaosHarness:
         proc = self.stack.drafts[i]
         if not self.latency_flag[i]:
             raise RuntimeError(f"{proc.name} was started without --inject-latency-ms; SIGUSR1 would kill it")
+        self._toggle_latency(proc, on, timeout)
+        self.latency_on[i] = on
+
+    def _toggle_latency(self, proc: ServiceProcess, on: bool, timeout: float) -> None:
+        """SIGUSR1 to proc, then wait until its log confirms the new state."""
         before = len(self._log_toggles(proc))
         proc.signal(signal.SIGUSR1)
         deadline = time.monotonic() + timeout
@@ -197,10 +205,16 @@ class ChaosHarness:
             if len(toggles) > before:
                 if toggles[-1] != on:
                     raise RuntimeError(f"{proc.name}: latency toggled to {toggles[-1]}, wanted {on}")
-                self.latency_on[i] = on
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{proc.name} did not confirm the latency toggle within {timeout} s")
+
+    def set_target_latency(self, on: bool, timeout: float = 10.0) -> None:
+        """Toggle the target's injected Verify/Decode latency with SIGUSR1; wait until its log confirms it."""
+        if self.target_latency_on == on:
+            return
+        self._toggle_latency(self.stack.target, on, timeout)
+        self.target_latency_on = on
 
     def restart_draft(self, i: int, with_latency_flag: bool = False) -> None:
         """(Re)start replica i on its address. Without the flag the new process has no latency to toggle."""
@@ -242,6 +256,21 @@ class ChaosHarness:
             time.sleep(0.2)
         return False
 
+    def wait_speculating(self, timeout: float) -> bool:
+        """Until a short request is verified speculatively without a draft failure and every breaker is closed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with SpecdecClient(self.address) as c:
+                    st = c.generate(self.prompts[0], max_new_tokens=8, ignore_eos=True, timeout_s=10).stats
+                if st.get("verify_steps", 0) > 0 and not st.get("draft_failures") and self.wait_breakers(
+                        max(0.0, deadline - time.monotonic()), ("closed",)):
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        return False
+
     def ensure_healthy(self) -> None:
         """Heal anything a previous scenario left broken, so scenarios can share the stack."""
         s = self.stack
@@ -249,10 +278,11 @@ class ChaosHarness:
             p.heal()
         if s.redis.proc is None or s.redis.proc.poll() is not None:
             s.redis.start()
-        for d in s.drafts:
+        for d in [*s.drafts, *s.targets]:
             d.signal(signal.SIGCONT)
         for t in s.targets:
             if not t.alive():
+                self.target_latency_on = False  # a restarted target starts with its latency off
                 t.restart()
         for i, d in enumerate(s.drafts):
             if not d.alive():
@@ -260,6 +290,8 @@ class ChaosHarness:
         for i in range(len(s.drafts)):
             if self.latency_on[i]:
                 self.set_latency(i, False)
+        if self.target_latency_on:
+            self.set_target_latency(False)
         if not s.orchestrator.alive():
             s.start_orchestrator()
         with SpecdecClient(self.address) as c:

@@ -65,8 +65,9 @@ class Progress:
 
 def run_request(client: SpecdecClient, prompt, rec: RequestRecord, max_new_tokens: int, deadline: float,
                 progress: Progress | None = None, max_attempts: int = 10_000, speculation: bool | None = None,
-                retry_sleep_s: float = 0.2) -> RequestRecord:
-    """Stream one request to the end, resuming/retrying on retryable errors until `deadline` (monotonic)."""
+                retry_sleep_s: float = 0.2, sampling: dict | None = None) -> RequestRecord:
+    """Stream one request to the end, resuming/retrying on retryable errors until `deadline` (monotonic).
+    `sampling`: temperature, top_k, top_p, seed for the request (default greedy)."""
     rec.start = time.monotonic()
     last = rec.start
     attempts = 0
@@ -79,7 +80,7 @@ def run_request(client: SpecdecClient, prompt, rec: RequestRecord, max_new_token
                                        timeout_s=timeout)
             else:
                 stream = client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                       speculation=speculation, timeout_s=timeout)
+                                       speculation=speculation, timeout_s=timeout, **(sampling or {}))
             for msg in stream:
                 if msg.session_id and not rec.session_id:
                     rec.session_id = msg.session_id

@@ -228,22 +228,42 @@ def cmd_up(args) -> int:
     cfg.http_port = args.http_port
     cfg.metrics_base_port = args.metrics_base_port
     stack = LocalStack(cfg, args.log_dir)
-    print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
-    _start(stack, "up")
-    print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
-                      "targets": [t.address for t in stack.targets], "drafts": [d.address for d in stack.drafts],
-                      "draft_strategy": stack.draft_strategy,
-                      "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
-                      "cpu_affinity": stack.cpu_affinity()}), flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    signal.signal(signal.SIGINT, lambda *a: stop.set())
+
+    def stop_quietly() -> None:  # from here on a signal asks to stop; it cannot cut the clean-up short
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        signal.signal(signal.SIGINT, lambda *a: stop.set())
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _terminated)  # until the stack serves, SIGTERM unwinds like Ctrl-C
     try:
+        print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
+        _start(stack, "up")
+        stop_quietly()  # it serves: a signal from now on (one that read the line below too) asks it to stop
+        print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
+                          "targets": [t.address for t in stack.targets], "drafts": [d.address for d in stack.drafts],
+                          "draft_strategy": stack.draft_strategy,
+                          "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
+                          "cpu_affinity": stack.cpu_affinity()}), flush=True)
         while not stop.wait(0.5):
             pass
     finally:
-        stack.stop()
+        stop_quietly()
+        try:
+            stack.stop()  # everything the stack recorded, also after a signal in the middle of its start
+        finally:
+            for sig, handler in previous.items():  # the caller's handlers again (cmd_up may run in-process)
+                signal.signal(sig, handler)
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is (as Ctrl-C raises KeyboardInterrupt), so every clean-up a Ctrl-C runs
+    runs too."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def cmd_generate(args) -> int:
@@ -300,6 +320,9 @@ def cmd_distill(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
+    except Terminated:  # SIGTERM to `specdec up` while its stack starts: what started has stopped
+        print("specdec: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:  # Ctrl-C while a service loads, `distill` trains, ...: what started has stopped
         print("specdec: interrupted", file=sys.stderr)
         return 130

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
+import time
 
 import grpc
 
@@ -20,8 +23,13 @@ log = logging.getLogger("specdec.target")
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetBackend, max_decode_tokens: int = 64):
+    def __init__(self, engine: TargetBackend, max_decode_tokens: int = 64, inject_latency_ms: float = 0.0):
         self.engine = engine
+        # Fault injection for the chaos suite: armed by the flag, off until SIGUSR1 turns it on (see serve).
+        self.inject_latency_ms = inject_latency_ms
+        self.latency_enabled = False
+        self.delayed_calls = 0  # the calls that slept, logged at each toggle
+        self._delay_lock = threading.Lock()
         self.max_decode_tokens = max_decode_tokens
         loaded = engine.loaded
         self.info = common_pb2.ModelInfo(
@@ -70,6 +78,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if len(request.tree.tokens) or len(request.tree.parents):
             return self._verify_tree(sid, request, prefix_len, delta, params)
         draft = wire.check_token_ids(request.draft_tokens, self.engine.vocab_size, "draft_tokens")
+        self._injected_latency()
         if len(draft) > self.engine.max_draft_len:
             raise RpcAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -103,6 +112,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not params.is_greedy:
             probs = wire.decode_distributions(msg.probs, self.engine.vocab_size, len(tokens))
         telemetry.annotate(session_id=sid, draft_tokens=len(tokens), tree=True)
+        self._injected_latency()
         out = self.engine.verify(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
                                  request.step, tree_parents=parents)
         telemetry.record_verify(len(tokens), out.num_accepted, out.verify_ms)
@@ -120,11 +130,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{self.max_decode_tokens}"
             )
         telemetry.annotate(session_id=sid, max_tokens=request.max_tokens)
+        self._injected_latency()
         tokens, cached_len, ms = self.engine.decode(
             sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
             set(request.stop_token_ids),
         )
         return target_pb2.DecodeResponse(tokens=tokens, cached_len=cached_len, decode_ms=ms)
+
+    def _injected_latency(self) -> None:
+        if self.latency_enabled:
+            with self._delay_lock:
+                self.delayed_calls += 1
+            time.sleep(self.inject_latency_ms / 1e3)
 
     @handle_errors
     def Release(self, request, context):
@@ -136,11 +153,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.info
 
 
-def build_server(engine: TargetBackend, address: str, max_workers: int = 8) -> ServiceServer:
+def build_server(engine: TargetBackend, address: str, max_workers: int = 8,
+                 inject_latency_ms: float = 0.0) -> ServiceServer:
     server = ServiceServer(address, max_workers=max_workers)
+    server.servicer = TargetServicer(engine, inject_latency_ms=inject_latency_ms)
     server.add(
         target_pb2_grpc.add_TargetServiceServicer_to_server,
-        TargetServicer(engine),
+        server.servicer,
         target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
     )
     return server
@@ -175,6 +194,15 @@ def serve(args: argparse.Namespace) -> None:
         log.info("forward cost profile", extra={"forward_ms": engine.forward_ms})
     # A Verify holds its thread while it waits for its batch: one per cached session, so a full orchestrator's
     # sessions are never refused for want of threads.
-    server = build_server(engine, args.listen, max_workers=args.max_sessions + 8).start()
+    server = build_server(engine, args.listen, max_workers=args.max_sessions + 8,
+                          inject_latency_ms=args.inject_latency_ms).start()
+    if args.inject_latency_ms > 0:
+        def _toggle(signum, frame):
+            s = server.servicer
+            s.latency_enabled = not s.latency_enabled
+            log.warning("injected latency toggled", extra={"enabled": s.latency_enabled,
+                                                           "delayed_calls": s.delayed_calls})
+
+        signal.signal(signal.SIGUSR1, _toggle)
     telemetry.ready(server.address)
     telemetry.wait_for_signal(server)

@@ -42,3 +42,6 @@ class TargetSettings:
     profile_forward: str = setting(
         "on", "measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and report it "
         "in GetInfo, for the orchestrator's adaptive draft length", choices=("on", "off"))
+    inject_latency_ms: float = setting(
+        0.0, "fault injection: once SIGUSR1 turns it on, delay every Verify and Decode this much (SIGUSR1 again turns "
+        "it off; a target starts with it off)")

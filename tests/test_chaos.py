@@ -18,7 +18,8 @@ pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel par
 
 RUN_TIMEOUT_S = 600  # the budget is 3-6 minutes on a busy host; this only stops a hung run
 # Cheap to run but close to a default-suite scenario (a slower link, connections cut): only with -m heavy.
-HEAVY_SCENARIOS = ("target_latency", "redis_latency", "redis_conn_drop")
+HEAVY_SCENARIOS = ("target_latency", "redis_latency", "redis_conn_drop", "target_conn_drop", "redis_partition",
+                   "slow_target")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,10 @@ def test_scenario(results, name):
     # instead, and the store may lack a session or its tail, never have a hole (faults_network.py).
     lost = res["ended_data_loss"] if res.get("data_loss_allowed") else 0
     assert res["requests"] > 0 and res["completed"] + lost == res["requests"] and res["failed"] == lost, _why(res)
-    assert res["mismatched_tokens"] == 0, _why(res)
+    if name == "sampling_draft_faults":  # sampled output: no greedy reference; its distribution is tested below
+        assert res["mismatched_tokens"] is None and "no_mismatched_tokens" not in res["checks"], _why(res)
+    else:
+        assert res["mismatched_tokens"] == 0, _why(res)
     assert res["duplicated_or_lost_offsets"] == 0, _why(res)
     assert res["store_mismatches"] == 0, _why(res)
     assert res["fault"]["error"] is None and res["fault"]["settled"], _why(res)
@@ -111,6 +115,23 @@ def test_scenario(results, name):
         if name == "redis_empty_restart":
             # streams in flight at the restart lost their stored state: they end DATA_LOSS, or had finished
             assert res["ended_data_loss"] + res["fault"]["sessions_lost"] > 0, _why(res)
+    elif name in ("slow_target", "hang_target"):
+        # The target only waited: no stream broke, and the longest stall is the slowed calls (slow: 2 x L) or the
+        # hang (its outage) plus a few loop steps.
+        assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)
+        assert 0 < res["max_stall_ms"] <= res["stall_bound_ms"], _why(res)
+        assert res["checks"]["fault_exercised"], _why(res)  # a step paid the latency / streams waited out the hang
+        if name == "slow_target":
+            assert res["post_heal_latency_p50_ms"] < res["slowed_request_min_ms"], _why(res)
+        else:
+            assert res["fault"]["outage_s"] < res["config"]["target_grace_s"], _why(res)
+    elif name == "sampling_draft_faults":
+        d = res["distribution"]
+        assert res["resumes"] == 0 and res["retried_requests"] == 0, _why(res)
+        assert res["fallback_steps"] > 0 and res["draft_failures"] > 0, _why(res)  # the fault paths ran
+        assert d["samples"] >= 300 and d["p_value"] > d["alpha"], _why(res)
+        assert d["fault_path_samples"] > 0, _why(res)
+        assert res["max_stall_ms"] <= res["stall_bound_ms"], _why(res)
     assert res["ok"] is True and all(res["checks"].values()), _why(res)
 
 
@@ -148,6 +169,54 @@ def test_data_loss_checks_without_services():
     assert stored_after_loss([5, 6, 9, 10], ref[:4], ref, must_be_whole=False) == "bad"  # a hole
     assert stored_after_loss(ref[:2], ref, ref, must_be_whole=True) == "bad"  # completed after the restart
     assert stored_after_loss(None, ref, ref, must_be_whole=True) == "bad"
+
+
+def test_target_fault_checks_without_services():
+    """The stall bound and checks slow_target / hang_target add (chaos/faults_target.py), on made-up records."""
+    from types import SimpleNamespace
+
+    from chaos.faults_target import HangTarget, SlowTarget
+    from chaos.harness import ChaosOptions
+    from chaos.load import RequestRecord
+
+    h = SimpleNamespace(opts=ChaosOptions(max_new_tokens=40, draft_len=4, slow_target_ms=300.0))
+    tl = SimpleNamespace(injected=10.0, heal_started=11.0, settled=11.5)
+
+    def record(phase, latency_s):
+        r = RequestRecord(0, 0, phase, start=20.0, end=20.0 + latency_s, finish="length")
+        r.gaps_ms = [(20.1, 100.0), (20.2, 50.0)]
+        return r
+
+    def judged(fault, stall, window_stall, post_latency_s, outage_s=1.0):
+        res = {"stall_bound": {"bound_ms": 1.0, "steps": 6, "step_ms": 50.0}, "resumes": 0, "retried_requests": 0,
+               "max_stall_ms": stall, "max_stall_in_fault_window_ms": window_stall, "checks": {},
+               "fault": {"outage_s": outage_s}, "config": {"target_grace_s": 30.0}}
+        fault.judge(res, [record("load", 5.0), record("post_heal", post_latency_s)], tl)
+        return res
+
+    slow = SlowTarget(h, None)
+    slow.delayed_calls = 0  # the target's log: no call slept
+    assert not judged(slow, 700.0, 350.0, 0.5)["checks"]["fault_exercised"]
+    slow.delayed_calls = 12
+    res = judged(slow, 700.0, 350.0, 0.5)
+    assert res["stall_bound_ms"] == 600.0 + 300.0 and all(res["checks"].values()), res
+    assert not judged(slow, 901.0, 350.0, 0.5)["checks"]["stall_within_bound"]
+    assert not judged(slow, 700.0, 100.0, 0.5)["checks"]["fault_exercised"]  # no step paid the latency
+    assert not judged(slow, 700.0, 350.0, 2.5)["checks"]["throughput_resumed"]  # 8 steps x 300 ms: still slow
+    hang = HangTarget(h, None)
+    res = judged(hang, 1200.0, 900.0, 0.5, outage_s=1.0)
+    assert res["stall_bound_ms"] == 1000.0 + 300.0 and all(res["checks"].values()), res
+    assert not judged(hang, 1200.0, 900.0, 0.5, outage_s=31.0)["checks"]["within_target_grace"]
+    assert not judged(hang, 1200.0, 500.0, 0.5)["checks"]["fault_exercised"]  # no stream waited the hang out
+
+
+def test_exact_first_tokens_is_a_distribution():
+    from chaos.faults_target import SAMPLING, exact_first_tokens
+    from chaos.harness import TINY_TARGET
+
+    dist = exact_first_tokens(TINY_TARGET, [5, 6, 7])
+    assert abs(sum(dist.values()) - 1.0) < 1e-5
+    assert 1 < len(dist) <= SAMPLING["top_k"] ** 2 and all(len(k) == 2 for k in dist)
 
 
 def test_store_commit_survives_a_lost_exec_reply(redis_server):
@@ -193,3 +262,23 @@ def test_stall_bound_counts_the_longest_fault_free_step():
     assert slow["contention"] == 2.0 and slow["bound_ms"] == 48.0 + 2 * 74 * 6.0 + 6 * 37.0 * 2.0
     h.opts = ChaosOptions(draft_timeout_floor_ms=1000.0, draft_timeout_factor=2.0)  # the floor, where it is longer
     assert h.stall_bound(3.0)["draft_deadline_ms"] == 1000.0
+
+
+def test_soak_reads_each_process_rss_and_prints_a_table():
+    import os
+    import subprocess
+
+    from chaos.__main__ import _soak_text, parse_args
+    from chaos.soak import rss_mb
+
+    assert rss_mb(os.getpid()) > 10.0  # this interpreter: torch and friends are loaded
+    assert rss_mb(None) is None
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert rss_mb(gone.pid) is None
+    assert parse_args(["--soak", "2.5", "--scenario", "none"]).soak == 2.5
+    summary = {"soak_minutes": 1, "runs": 3, "failed_runs": [], "ok": True,
+               "rss_start": {"target": {"pid": 10, "rss_mb": 300.0}, "draft0": {"pid": 11, "rss_mb": 200.0}},
+               "rss_end": {"target": {"pid": 10, "rss_mb": 310.0}, "draft0": {"pid": 12, "rss_mb": 190.0}}}
+    text = _soak_text(summary)
+    assert "target" in text and "310.0" in text and "(restarted)" in text.splitlines()[-1]

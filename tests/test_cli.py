@@ -259,20 +259,27 @@ def test_the_startup_report_rewrites_one_line_on_a_terminal_and_prints_changes_e
 
 
 @pytest.mark.serial  # a signal sent while services start
+def _specdec_up(model: str, log_dir):
+    """`specdec up` in a child process: tiny models whose seed names this test's services among the machine's."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
+                             "--http-port", "0",
+                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
+                             "--log-dir", str(log_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     import signal
     import subprocess
-    import sys
     import time
 
     import os
 
     # The seed names this run's services among the machine's processes (other runs of this test may be going on).
     model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
-                             "--http-port", "0",
-                             "--target-model", model, "--draft-strategy", "model", "--draft-model", model,
-                             "--log-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _specdec_up(model, tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "target.log").exists() and time.monotonic() < deadline:
@@ -285,6 +292,41 @@ def test_ctrl_c_while_the_stack_starts_stops_everything_it_started(tmp_path):
     assert err.strip().endswith(("specdec: interrupted", "specdec up: interrupted"))
     left = subprocess.run(["pgrep", "-a", "-f", f"model {model}"], capture_output=True, text=True).stdout.splitlines()
     assert left == [], "services still running after Ctrl-C"
+
+
+@pytest.mark.parametrize("moment", ["target.log", "orchestrator.log", "serving"])
+def test_sigterm_to_up_at_any_moment_stops_everything_it_started(tmp_path, moment):
+    """SIGTERM (what a process manager sends), not only Ctrl-C: while the services load, while the orchestrator
+    starts, or once the stack serves, `specdec up` stops every process it started."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    model = f"tiny:vocab=64,layers=1,hidden=32,seed={os.getpid() + 1000 + len(moment)}"
+    proc = _specdec_up(model, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        if moment == "serving":
+            line = proc.stdout.readline()  # the stack's addresses, printed once it serves
+            assert line.startswith("{"), proc.stderr.read()[-2000:]
+        else:
+            while not (tmp_path / moment).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert (tmp_path / moment).exists()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err[-2000:]
+    if moment == "serving":
+        assert proc.returncode == 0, err[-2000:]
+    else:  # the start unwound, as after Ctrl-C (the orchestrator may have become ready just before the signal)
+        assert proc.returncode in (143, 0), err[-2000:]
+        assert proc.returncode == 0 or err.strip().endswith("specdec: terminated"), err[-2000:]
+    left = subprocess.run(["pgrep", "-a", "-f", f"model {model}"], capture_output=True, text=True).stdout.splitlines()
+    left += subprocess.run(["pgrep", "-a", "-f", f"--dir {tmp_path}"], capture_output=True, text=True).stdout.splitlines()
+    assert left == [], f"services (or Redis) still running after SIGTERM: {left}"
 
 
 def test_run_without_the_distilled_draft_says_how_to_get_one(tmp_path, monkeypatch):

@@ -381,7 +381,7 @@ def test_otlp_endpoint_is_the_collectors_grpc_receiver(compose):
     grpc_endpoint = collector_cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     for name in SPECDEC_SERVICES:
         url = urllib.parse.urlparse(compose["services"][name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
-        assert url.scheme == "http", "http:// = plaintext OTLP/gRPC (the collector has no TLS here)"
+        assert url.scheme == "https", "https:// = OTLP/gRPC over TLS (the collector requires client certificates)"
         assert url.hostname == "otel-collector" and url.port == _port(grpc_endpoint)
         assert url.port in container_ports(compose["services"]["otel-collector"])
 

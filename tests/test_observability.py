@@ -334,3 +334,23 @@ print([(x.name, format(x.context.trace_id, "032x")) for x in exporter.get_finish
     assert (recording, valid) == ("False", "True")  # not built, yet a real trace context to pass on
     assert second == "True"
     assert spans == str([("child", trace_id)])  # the exporting side joins the caller's trace
+
+
+def test_logs_carry_the_session_hash_and_the_client_keeps_the_id():
+    """A session id is a bearer capability: a structured log line carries session_hash(id), as spans do, never the
+    id; the client's own output (GenerationResult.to_json, what `specdec generate --json` prints) keeps the id."""
+    import logging
+
+    from specdec.client import GenerationResult
+    from specdec.observability.logs import JsonFormatter
+
+    sid = "0123456789abcdef-raw-session-id"
+    record = logging.LogRecord("specdec.orchestrator", logging.WARNING, __file__, 1, "draft failover", (), None)
+    record.session_id = sid
+    record.replica = "127.0.0.1:1"
+    line = JsonFormatter().format(record)
+    assert sid not in line
+    assert json.loads(line)["session_id"] == telemetry.session_hash(sid)
+    assert json.loads(line)["replica"] == "127.0.0.1:1"
+    assert GenerationResult(session_id=sid, text="", token_ids=[], finish_reason="length", stats={}).to_json()[
+        "session_id"] == sid

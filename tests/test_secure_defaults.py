@@ -376,3 +376,90 @@ def test_session_ids_are_hashed_in_spans(redis_url):
     finally:
         stack.stop()
         exporter.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# telemetry export: mutual TLS in compose and in the code
+# --------------------------------------------------------------------------------------------------
+
+
+def test_telemetry_export_is_mutual_tls_end_to_end_in_compose(compose):
+    """services -> collector -> Jaeger: every hop TLS with a certificate from secrets-init, and the receivers
+    require client certificates (nothing on the compose network can inject or read spans in plaintext)."""
+    import urllib.parse
+
+    import yaml
+
+    services = compose["services"]
+    _, init = _init(compose)
+    assert {"otel-collector", "jaeger"} <= set(init.service)
+    for name in ("target", "draft", "orchestrator"):
+        env = services[name]["environment"]
+        url = urllib.parse.urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert url.scheme == "https", f"{name}: OTLP export must be TLS (https://), not {url.scheme}://"
+        assert env.get("SPECDEC_TLS_CA") and env.get("SPECDEC_TLS_CERT"), f"{name}: no identity for the export"
+    collector = services["otel-collector"]
+    assert collector["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    cfg = yaml.safe_load((ROOT / "deploy" / "otel-collector.yaml").read_text())
+    for proto in ("grpc", "http"):
+        tls = cfg["receivers"]["otlp"]["protocols"][proto].get("tls") or {}
+        for key in ("cert_file", "key_file", "client_ca_file"):  # client_ca_file: client certificates required
+            assert tls.get(key) and _made_by_init(compose, collector, tls[key]), f"collector {proto} receiver: {key}"
+    to_jaeger = cfg["exporters"]["otlp/jaeger"]["tls"]
+    assert not to_jaeger.get("insecure")
+    for key in ("ca_file", "cert_file", "key_file"):
+        assert to_jaeger.get(key) and _made_by_init(compose, collector, to_jaeger[key]), f"collector -> jaeger: {key}"
+    jaeger = services["jaeger"]
+    flags = dict(str(a).lstrip("-").split("=", 1) for a in jaeger["command"])
+    for proto in ("grpc", "http"):
+        assert flags[f"collector.otlp.{proto}.tls.enabled"] == "true"
+        for key in ("cert", "key", "client-ca"):
+            path = flags[f"collector.otlp.{proto}.tls.{key}"]
+            assert _made_by_init(compose, jaeger, path), f"jaeger {proto}: {key} {path} is not made by secrets-init"
+
+
+_EXPORT_ONE_SPAN = """
+from specdec import observability as telemetry
+telemetry.setup("specdec-export-test")
+with telemetry.span("exported-span", session_id="raw-session-id"):
+    pass
+telemetry.force_flush(5000)
+"""
+
+
+def test_otlp_export_uses_the_services_certificate(tmp_path):
+    """An https:// OTLP endpoint: the service verifies the collector with SPECDEC_TLS_CA and presents its own
+    certificate; a collector that requires client certificates gets the span, and refuses an exporter without one."""
+    from concurrent import futures
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    pki = tmp_path / "pki"
+    _certs(pki, "otel-collector", "orchestrator")
+    received = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.extend(s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    tls = TlsConfig(str(pki / "otel-collector.pem"), str(pki / "otel-collector.key"), str(pki / "ca.pem"))
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+    server.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SPECDEC_TLS_"))}
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"https://localhost:{port}", OTEL_EXPORTER_OTLP_TIMEOUT="3",
+                   SPECDEC_TLS_CA=str(pki / "ca.pem"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        no_cert = subprocess.run([sys.executable, "-c", _EXPORT_ONE_SPAN], env=env, capture_output=True,
+                                 text=True, timeout=120)
+        assert no_cert.returncode == 0, no_cert.stderr[-2000:]
+        assert received == [], "the collector must refuse an exporter without a client certificate"
+        env.update(SPECDEC_TLS_CERT=str(pki / "orchestrator.pem"), SPECDEC_TLS_KEY=str(pki / "orchestrator.key"))
+        done = subprocess.run([sys.executable, "-c", _EXPORT_ONE_SPAN], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert received == ["exported-span"], done.stderr[-2000:]
+    finally:
+        server.stop(0)

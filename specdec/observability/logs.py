@@ -9,6 +9,8 @@ import sys
 
 from opentelemetry import trace
 
+from specdec.observability.tracing import session_hash
+
 _SERVICE = "specdec"
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -23,6 +25,10 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
+        if isinstance(out.get("session_id"), str) and out["session_id"]:
+            # A session id is a bearer capability (whoever has it may resume the session): logs carry the hash
+            # spans carry, so a log line and the session's traces are found by the same session_hash(id).
+            out["session_id"] = session_hash(out["session_id"])
         span_ctx = trace.get_current_span().get_span_context()
         if span_ctx.is_valid:
             out["trace_id"] = format(span_ctx.trace_id, "032x")

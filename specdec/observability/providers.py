@@ -36,6 +36,27 @@ def setup(service_name: str, level: str | None = None, metrics_port: int | str |
         start_metrics_server(metrics_port)
 
 
+def otlp_credentials(signal: str):
+    """TLS for an https:// OTLP endpoint with the service's own identity, as its gRPC: the collector verified with
+    SPECDEC_TLS_CA, SPECDEC_TLS_CERT/KEY presented (mutual TLS). None (the exporter's own defaults and
+    OTEL_EXPORTER_OTLP_* variables) for a plaintext endpoint, without SPECDEC_TLS_CA, or with
+    OTEL_EXPORTER_OTLP_CERTIFICATE set."""
+    endpoint = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    ca = os.environ.get("SPECDEC_TLS_CA")
+    if not endpoint.startswith("https://") or not ca or os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE"):
+        return None
+    import grpc
+
+    def read(path):
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca), read(os.environ.get("SPECDEC_TLS_KEY")),
+                                        read(os.environ.get("SPECDEC_TLS_CERT")))
+
+
 def ensure_providers(service_name: str | None = None) -> None:
     """Install the SDK tracer and meter providers once per process (idempotent).
 
@@ -67,7 +88,8 @@ def ensure_providers(service_name: str | None = None) -> None:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
                 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-                _tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+                _tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
+                    credentials=otlp_credentials("TRACES"))))
             trace.set_tracer_provider(_tracer_provider)
 
         readers = []
@@ -86,7 +108,7 @@ def ensure_providers(service_name: str | None = None) -> None:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(credentials=otlp_credentials("METRICS"))))
         provider = MeterProvider(resource=resource, metric_readers=readers)
         if isinstance(metrics.get_meter_provider(), MeterProvider):
             log.warning("a MeterProvider was set before specdec's; snapshot() and /metrics see nothing")
