@@ -377,14 +377,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             return opb.CancelSessionResponse(cancelled=False)
         # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
         token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
+        asked = False
         if self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None:
-            # Streaming on another orchestrator: it must write the cancellation itself (its lease fences us out).
+            # Streaming on another orchestrator: a live stream writes the cancellation itself at its next commit
+            # (its lease fences us out). A dead one never will: wait its lease out (a live one renews it, and
+            # the wait ends within ~0.2 s), then write it here.
             self.store.request_cancel(rec.session_id)
-            return opb.CancelSessionResponse(cancelled=True)
+            asked = True
+            if self.store.acquire_lease(rec.session_id, token) is not None:
+                return opb.CancelSessionResponse(cancelled=True)
+            self.store.clear_cancel_request(rec.session_id)
         try:
             rec = self._load(request.session_id, rec.params.owner)  # as stored, now that we hold it
-            if rec.status != "running":
-                return opb.CancelSessionResponse(cancelled=False)
+            if rec.status != "running":  # ended meanwhile: cancelled by our request, or finished first
+                return opb.CancelSessionResponse(cancelled=asked and rec.status == "cancelled")
             rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
             self.store.update_state(rec, token)
         finally:

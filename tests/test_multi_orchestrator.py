@@ -127,3 +127,27 @@ def test_orchestrator_killed_mid_stream_is_resumed_through_the_other(cluster, re
                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["token_ids"] == reference[100:]
+
+
+def test_cancel_of_a_dead_orchestrators_session_is_recorded(cluster, reference):
+    """CancelSession through B of a session whose orchestrator died mid-stream: nobody will read a cancel flag, so
+    B waits the dead stream's lease out and records the cancellation itself."""
+    a_proc, b_addr = cluster["A"], cluster["B"].address
+    if not a_proc.alive():  # killed by the test above: a fresh A on the same address
+        a_proc.start()
+        a_proc.wait_ready(180)
+    with SpecdecClient(a_proc.address, timeout_s=120) as a:
+        stream, first = _open_stream(a)
+        a_proc.kill()
+        killed_at = time.monotonic()
+    sid = first.session_id
+    with SpecdecClient(b_addr, timeout_s=120) as b:
+        assert b.cancel(sid) is True
+        assert time.monotonic() - killed_at < LEASE_S + 1.5  # the lease's wait, not more
+        info = b.get_session(sid)
+        assert info.status == "cancelled" and info.finish_reason == opb.FINISH_REASON_CANCELLED
+        stored = list(info.generated_token_ids)
+        assert len(stored) < MAX_NEW and stored == reference[:len(stored)]
+        # Cancelled is not lost: a resume goes on from what was stored.
+        rest = b.generate(resume_session_id=sid, resume_from=len(stored))
+        assert stored + rest.token_ids == reference
