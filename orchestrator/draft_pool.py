@@ -1,159 +1,27 @@
-"""Draft replicas behind one interface: health checking, a circuit breaker per replica, session affinity.
+"""Draft replicas behind one interface (orchestrator/replica_pool.py): health checking, a circuit breaker per
+replica, session affinity.
 
-A session sticks to the replica that holds its KV cache (rendezvous hashing, so affinity survives
-orchestrator restarts without shared state); when that replica is unhealthy the session fails over to
-the next one in its ranking, which rebuilds the cache from the committed tokens (a TokenDelta from 0).
-
-A ``dns:///name:port`` address stands for every address the name resolves to (orchestrator/discovery.py):
-each is a replica, and replicas that appear or disappear on re-resolution join or leave the pool; a session
-on a replica that left fails over as it does when a replica fails.
+A session sticks to the replica that holds its KV cache (rendezvous hashing, so affinity survives orchestrator
+restarts without shared state); when that replica is unhealthy the session fails over to the next one in its
+ranking, which rebuilds the cache from the committed tokens (a TokenDelta from 0). With every replica down the
+session decodes target-only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from orchestrator.clients import DraftClient
-from orchestrator.discovery import Discovery, Resolve
+from orchestrator.discovery import Resolve
+from orchestrator.replica_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Replica, ReplicaPool, rank
 from specdec.core.grpc_util import make_channel
 
-log = logging.getLogger("specdec.orchestrator.pool")
+__all__ = ["CLOSED", "HALF_OPEN", "OPEN", "CircuitBreaker", "DraftPool", "DraftReplica", "LocalDraftReplica", "_rank"]
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-
-
-class CircuitBreaker:
-    """closed -> (failure) -> open for a back-off -> half-open: one probe call -> closed or open again."""
-
-    def __init__(self, open_s: float = 1.0, max_open_s: float = 10.0, failure_threshold: int = 1, on_open=None):
-        self.on_open = on_open  # called (outside the lock) each time the breaker opens
-        self.base_open_s = open_s
-        self.max_open_s = max_open_s
-        self.failure_threshold = failure_threshold
-        self.state = CLOSED
-        self.failures = 0
-        self.open_s = open_s
-        self.opened_at = 0.0
-        self._probe_in_flight = False
-        self.health_blind = False  # opened by failures a passing health check says nothing about (a slow replica)
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self.state == CLOSED:
-                return True
-            if self.state == OPEN and time.monotonic() - self.opened_at >= self.open_s:
-                self.state = HALF_OPEN
-            if self.state == HALF_OPEN and not self._probe_in_flight:
-                self._probe_in_flight = True
-                return True
-            return False
-
-    def success(self) -> None:
-        with self._lock:
-            self.state, self.failures, self.open_s, self._probe_in_flight = CLOSED, 0, self.base_open_s, False
-
-    def failure(self, health_blind: bool = False) -> None:
-        """A failed call. health_blind: a failure a passing health check does not contradict (a timeout, a
-        malformed reply: the replica answers health checks all the same), so only the back-off ends it."""
-        with self._lock:
-            self.failures += 1
-            if self.state == HALF_OPEN:
-                self.open_s = min(self.max_open_s, self.open_s * 2)  # a failed probe backs off further
-            opens = self.state == HALF_OPEN or self.failures >= self.failure_threshold
-            if opens:
-                self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
-                self.health_blind = health_blind
-        if opens and self.on_open is not None:
-            self.on_open()
-
-    def no_call(self) -> None:
-        """The caller allow() let through made no call after all (its block was already prefetched): a half-open
-        breaker's probe is still to come, so the next caller may make it (else the replica stayed half-open with a
-        probe 'in flight' that never ends, and no session could use it again)."""
-        with self._lock:
-            self._probe_in_flight = False
-
-    def health_ok(self) -> None:
-        """A passing health check shortens an open breaker to half-open (probe on the next call), unless it opened
-        on failures health checks cannot see: a slow replica passes them, and probing it at every check would cost
-        a session a draft deadline each time."""
-        with self._lock:
-            if self.state == OPEN and not self.health_blind:
-                self.state = HALF_OPEN
-
-    def health_failed(self) -> None:
-        with self._lock:
-            self.health_blind = False  # the health check sees this fault: its recovery can end the back-off
-            opens = self.state != OPEN
-            if opens:
-                log.warning("draft replica failed its health check; breaker open")
-                self.state, self.opened_at, self._probe_in_flight = OPEN, time.monotonic(), False
-        if opens and self.on_open is not None:
-            self.on_open()
+_rank = rank  # the name chaos/ and older callers import
 
 
-class DraftReplica:
+class DraftReplica(Replica):
     def __init__(self, address: str, breaker: CircuitBreaker, client: DraftClient | None = None):
-        self.address = address
-        self.client = client or DraftClient(address)
-        self.breaker = breaker
-        self.health_stub = None if self.client.channel is None else health_pb2_grpc.HealthStub(self.client.channel)
-        self.info = None
-        self.refused: str | None = None  # set when the replica turned out incompatible; never used then
-        self.watch = None  # the Health.Watch stream held open on the replica's channel (watch_health)
-        self.watch_stopped = False
-        self.watch_confirmed = threading.Event()  # the stream's first SERVING message arrived
-
-    def watch_health(self) -> None:
-        """Follow the replica's Health.Watch stream: a replica that goes away or reports itself not serving (a
-        graceful shutdown) opens the breaker at once instead of at the next poll, and the stream is ended then (a
-        stopping server would otherwise wait out its grace period for it). The standing call also keeps grpc's
-        per-channel event thread alive: grpc starts that thread whenever a call that is not blocking (a pipelined
-        prefetch's future) finds no other such call in flight, and ends it after; ~0.2-0.3 ms more per prefetched
-        Propose here without a standing call."""
-        if self.health_stub is None or self.watch_stopped or (self.watch is not None and self.watch.running()):
-            return
-        try:
-            self.watch = self.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
-        except ValueError:  # the channel is closed: shutting down
-            return
-        threading.Thread(target=self._follow, args=(self.watch,), name="draft-watch", daemon=True).start()
-
-    def _follow(self, call) -> None:
-        try:
-            for msg in call:
-                if msg.status == health_pb2.HealthCheckResponse.SERVING:
-                    self.watch_confirmed.set()
-                else:
-                    self.breaker.health_failed()
-                    call.cancel()
-                    return
-        except grpc.RpcError:  # the replica went away (a server stopping without grace cancels the stream too)
-            if not self.watch_stopped:
-                self.breaker.health_failed()
-        except ValueError:  # the channel was closed under it
-            pass
-
-    def stop_watch(self) -> None:
-        self.watch_stopped = True
-        if self.watch is not None:
-            self.watch.cancel()
-
-    def check_health(self, timeout: float) -> bool:
-        try:
-            reply = self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            ok = False
-        (self.breaker.health_ok if ok else self.breaker.health_failed)()
-        return ok
+        super().__init__(address, breaker, client or DraftClient(address))
 
 
 class LocalDraftReplica(DraftReplica):
@@ -167,139 +35,28 @@ class LocalDraftReplica(DraftReplica):
         return True
 
 
-def _rank(session_id: str, address: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "big")
-
-
-class DraftPool:
-    # A replica that left the pool keeps its channel this long: calls already under way on it (a prefetch, a
-    # release) end normally instead of being cancelled.
-    RETIRE_GRACE_S = 30.0
+class DraftPool(ReplicaPool):
+    KIND = "draft"
 
     def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
                  health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
                  breaker_failures: int = 2, local_client=None, resolve: Resolve | None = None,
                  resolve_interval_s: float = 5.0):
-        """``local_client(address)``: builds the client of an in-process drafter (addresses ``local:...``).
-        ``resolve(host, port)``: the addresses of a ``dns:///`` entry (default: getaddrinfo), asked again every
-        ``resolve_interval_s`` and soon after a replica's breaker opens."""
+        """``local_client(address)``: builds the client of an in-process drafter (addresses ``local:...``); the other
+        arguments as ReplicaPool's."""
+        self._local_client = local_client
+        super().__init__(addresses, breaker_open_s, breaker_max_open_s, health_interval_s, health_timeout_s,
+                         on_info, breaker_failures, resolve, resolve_interval_s)
+
+    def _new_replica(self, address: str, breaker: CircuitBreaker, authority: str | None) -> DraftReplica:
         from orchestrator.local_draft import is_local
 
-        if not addresses:
-            raise ValueError("a draft pool needs at least one address")
-        if not resolve_interval_s > 0:
-            raise ValueError(f"the draft re-resolve interval must be positive, got {resolve_interval_s}")
-        self.discovery = Discovery(addresses, resolve)
-
-        def replica(address: str) -> DraftReplica:
-            breaker = CircuitBreaker(breaker_open_s, breaker_max_open_s, breaker_failures,
-                                     on_open=self._resolve_soon.set if self.discovery.dynamic else None)
-            if is_local(address):
-                if local_client is None:
-                    raise ValueError(f"{address!r}: this draft pool cannot build in-process drafters")
-                return LocalDraftReplica(local_client(address), breaker)
-            authority = self.discovery.authority.get(address)
-            channel = make_channel(address, authority=authority) if authority else None
-            return DraftReplica(address, breaker, DraftClient(address, channel) if channel else None)
-
-        self._new_replica = replica
-        self._resolve_soon = threading.Event()
-        self._lock = threading.Lock()  # guards the membership swap and the retired channels against close()
-        self._refresh_lock = threading.Lock()
-        self._retired: list[tuple[float, DraftReplica]] = []
-        self.replicas = [replica(a) for a in self.discovery.refresh()]  # replaced whole, never changed in place
-        self.health_interval_s = health_interval_s
-        self.health_timeout_s = health_timeout_s
-        self.resolve_interval_s = resolve_interval_s
-        self.on_info = on_info  # called with (replica, ModelInfo) the first time a replica answers GetInfo
-        self._stop = threading.Event()
-        for r in self.replicas:
-            r.watch_health()
-        self._thread = threading.Thread(target=self._health_loop, name="draft-health", daemon=True)
-        self._thread.start()
-        self._resolver = None
-        if self.discovery.dynamic:
-            self._resolver = threading.Thread(target=self._resolve_loop, name="draft-resolve", daemon=True)
-            self._resolver.start()
-
-    def _resolve_loop(self) -> None:
-        min_gap_s = min(self.resolve_interval_s, 1.0)  # after failures: soon, but not in a tight loop
-        while not self._stop.is_set():
-            self._resolve_soon.wait(self.resolve_interval_s)
-            if self._stop.is_set():
-                return
-            self._resolve_soon.clear()
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - a resolver bug must not end discovery for good
-                log.exception("draft re-resolution failed")
-            self._stop.wait(min_gap_s)
-
-    def refresh(self) -> list[str]:
-        """Resolve the DNS entries again and make the replicas match: new addresses join (their info is asked
-        for first, so an incompatible replica is refused before a session uses it), gone ones leave."""
-        with self._refresh_lock:  # one refresh at a time (the resolver thread, a caller)
-            addresses = self.discovery.refresh()
-            current = {r.address: r for r in self.replicas}
-            joined = [self._new_replica(a) for a in addresses if a not in current]
-            for r in joined:  # outside _lock: close() is not held up by a replica slow to answer
-                self._ask_info(r)
-            with self._lock:
-                if self._stop.is_set():
-                    for r in joined:
-                        r.client.close()
-                    return addresses
-                self._close_retired()
-                if list(current) == addresses:
-                    return addresses
-                for r in joined:
-                    r.watch_health()
-                by_address = {**current, **{r.address: r for r in joined}}
-                self.replicas = [by_address[a] for a in addresses]
-                left = [r for a, r in current.items() if a not in addresses]
-                for r in left:
-                    r.stop_watch()
-                    r.breaker.on_open = None
-                    r.breaker.health_failed()  # anyone still holding it treats it as down
-                    self._retired.append((time.monotonic(), r))
-            log.info("draft replicas changed", extra={
-                "joined": [r.address for r in joined], "left": [r.address for r in left], "replicas": addresses})
-        return addresses
-
-    def _close_retired(self, everything: bool = False) -> None:
-        now, keep = time.monotonic(), []
-        for since, r in self._retired:
-            if everything or now - since >= self.RETIRE_GRACE_S:
-                r.client.close()
-            else:
-                keep.append((since, r))
-        self._retired = keep
-
-    def _ask_info(self, r: DraftReplica) -> None:
-        if r.info is not None or self.on_info is None or self._stop.is_set():
-            return
-        try:
-            r.info = r.client.info(timeout=self.health_timeout_s * 3)
-            self.on_info(r, r.info)
-        except grpc.RpcError:
-            r.info = None
-        except ValueError:  # the channel was closed: shutting down
-            r.info = None
-        except Exception as e:  # noqa: BLE001 - e.g. an incompatible replica: keep it out
-            log.error("draft replica refused", extra={"replica": r.address, "reason": str(e)})
-            r.refused = str(e)
-
-    def _health_loop(self) -> None:
-        while not self._stop.wait(self.health_interval_s):
-            for r in self.replicas:
-                healthy = r.check_health(self.health_timeout_s)
-                if healthy and not self._stop.is_set():
-                    r.watch_health()  # again, once a replica that went away answers
-                if healthy:
-                    self._ask_info(r)
-
-    def ranking(self, session_id: str) -> list[DraftReplica]:
-        return sorted(self.replicas, key=lambda r: _rank(session_id, r.address), reverse=True)
+        if is_local(address):
+            if self._local_client is None:
+                raise ValueError(f"{address!r}: this draft pool cannot build in-process drafters")
+            return LocalDraftReplica(self._local_client(address), breaker)
+        channel = make_channel(address, authority=authority) if authority else None
+        return DraftReplica(address, breaker, DraftClient(address, channel) if channel else None)
 
     def pick(self, session_id: str) -> DraftReplica | None:
         """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
@@ -307,23 +64,3 @@ class DraftPool:
             if r.refused is None and r.breaker.allow():
                 return r
         return None
-
-    def any_available(self) -> bool:
-        return any(r.refused is None and r.breaker.state != OPEN for r in self.replicas)
-
-    def by_address(self, address: str) -> DraftReplica | None:
-        return next((r for r in self.replicas if r.address == address), None)
-
-    def release(self, session_id: str) -> None:
-        """Fire-and-forget on every replica (a session may have moved); nobody waits on a dead one."""
-        for r in self.replicas:
-            r.client.release_async(session_id, timeout=0.5)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._resolve_soon.set()
-        with self._lock:
-            for r in self.replicas:
-                r.stop_watch()
-                r.client.close()
-            self._close_retired(everything=True)

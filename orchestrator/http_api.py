@@ -352,10 +352,12 @@ def build_app(servicer):
     def healthy() -> tuple[bool, dict]:
         checks = {}
         try:
-            servicer.target.info(timeout=2.0)
+            servicer.targets.info(timeout=2.0)
             checks["target"] = "ok"
         except grpc.RpcError as e:
             checks["target"] = f"unavailable ({e.code().name})"
+        except Exception as e:  # noqa: BLE001 - no target replica at all (a DNS name with no records)
+            checks["target"] = f"unavailable ({e})"
         try:
             servicer.store.ping()
             checks["store"] = "ok"

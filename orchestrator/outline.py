@@ -88,6 +88,7 @@ REDACTED = "<redacted: admin only>"
 def _internal_addresses(servicer) -> set[str]:
     """The addresses the outline may reveal: target, draft replicas, the store's host:port."""
     found = {getattr(getattr(servicer, "target", None), "address", "")}
+    found |= {r.address for r in getattr(getattr(servicer, "targets", None), "replicas", [])}
     found |= {getattr(r, "address", "") for r in _replicas(servicer)}
     store_url = getattr(getattr(servicer, "store", None), "url", "") or ""
     try:
@@ -258,8 +259,10 @@ def _draft_strategy(servicer, view: dict) -> dict:
 
 
 def _verification(servicer) -> dict:
+    replicas = getattr(getattr(servicer, "targets", None), "replicas", None)
     target = getattr(servicer, "target", None)
-    where = getattr(target, "address", "") or "the target service"
+    where = (", ".join(r.address for r in replicas) if replicas else getattr(target, "address", "")) or \
+        "the target service"
     return {
         "scheme": "greedy when temperature is 0, rejection sampling otherwise (chosen per request)",
         "greedy": ("accept draft tokens while each equals the target's argmax; the first mismatch is replaced "
@@ -332,8 +335,9 @@ def _failure_mode(servicer, view: dict) -> dict:
                           "the drafts' measured prefill time per token (capped likewise), or x (1 + context/128) "
                           f"until that is measured; {cfg.draft_first_call_timeout_ms:g} ms before "
                           "any target step has been measured"),
-        "targetFailure": (f"the target is required: a step waits up to {cfg.target_grace_s:g} s for an "
-                          "unavailable target to come back, then ends the stream with UNAVAILABLE; committed tokens "
+        "targetFailure": ("the target is required: a session on a target replica that goes away moves at once to "
+                          "another healthy replica, which rebuilds its cache from the committed tokens; with none "
+                          f"left, a step waits up to {cfg.target_grace_s:g} s for one to come back, then ends the stream with UNAVAILABLE; committed tokens "
                           "are in the session store, so the client resumes with resume_session_id"),
         "cacheLoss": ("a service that lost a session's KV cache (eviction, restart, another replica) answers "
                       "cache-miss; the orchestrator resends the whole context once and continues"),

@@ -17,6 +17,7 @@ from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.discovery import is_dns, parse_dns
 from orchestrator.draft_pool import DraftPool
+from orchestrator.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, model_mismatch
 from orchestrator.loop import (AcceptanceWindow, Backends, Generation, GenerationError, Measurements, StepTimer,
                                StreamControl, stats_message)
 from orchestrator.prompts import chat_prompt_ids
@@ -88,13 +89,14 @@ def check_compatible(target_info, draft_info) -> None:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, target: TargetClient, pool: DraftPool | None, store, tokenizer, target_info,
+    def __init__(self, target: TargetClient | TargetPool, pool: DraftPool | None, store, tokenizer, target_info,
                  cfg: LoopConfig, max_new_tokens_limit: int = ServerSettings.max_new_tokens_limit,
                  max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
                  max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
                  admin_tokens: list[str] = (), max_stop_string_bytes: int = 256, max_stop_token_ids: int = 64,
                  max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0):
-        self.target = target
+        # A single client (tests, embedders) is a pool of one; the pool's threads end with close().
+        self.targets = target if isinstance(target, TargetPool) else TargetPool.of_client(target)
         self.pool = pool
         self.store = store
         self.tokenizer = tokenizer
@@ -111,7 +113,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.vocab_size = target_info.vocab_size
         self.measured = Measurements(
             window=AcceptanceWindow(), target_step=StepTimer(), active_sessions=self._active_count,
-            target_cost=(TargetCost(list(target_info.forward_ms), target_info.max_batch, self._active_count)
+            # A target forward batches the sessions placed on its replica, not every session of this orchestrator.
+            target_cost=(TargetCost(list(target_info.forward_ms), target_info.max_batch,
+                                    self.targets.sessions_per_replica)
                          if len(target_info.forward_ms) >= 2 else None),
             acceptance_prior=AcceptancePrior(),
             draft_evidence=DraftEvidence(),  # what the drafters' token scores mean, learned across sessions
@@ -148,12 +152,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def close(self) -> None:
         self._closed.set()
+        self.targets.close()
+
+    @property
+    def target(self) -> TargetClient | None:
+        """The first target replica's client (a one-target setup's only one)."""
+        return self.targets.first
 
     @property
     def backends(self) -> Backends:
         """What a generation calls, as configured now (a test may swap the pool)."""
         info = self.target_info
-        return Backends(self.target, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint,
+        return Backends(self.targets, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint,
                         info.max_draft_len)
 
     def _active_count(self) -> int:
@@ -351,7 +361,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Off the request's path: the stream ends without waiting for the services to free their caches.
         if self._closed.is_set():
             return  # shutting down: the channels are closing, and the caches go with the services
-        self.target.release_async(sid)
+        self.targets.release(sid)
         if self.pool is not None:
             self.pool.release(sid)
 
@@ -439,17 +449,33 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    resolve_interval_s: float = _S.resolve_interval_s,
                    admin_tokens: list[str] = (),
                    max_sessions_per_principal: int = _S.max_sessions_per_principal) -> OrchestratorServicer:
-    """Connect to the target (required) and the draft replicas (optional: unreachable ones join later).
+    """Connect to the target replicas (``target_addr``: comma-separated, ``dns:///`` names too; at least one must
+    answer, all must serve the same model) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
     from orchestrator.local_draft import build_local_client
     from specdec.models import load_tokenizer
 
-    target = TargetClient(target_addr)
+    target_addrs = [a.strip() for a in target_addr.split(",") if a.strip()]
+    if not target_addrs:
+        raise StartupError("--target: give at least one target address")
+    reference: dict = {}  # the pool's ModelInfo once known: a replica that joins later must serve the same model
+
+    def check_target(replica, info) -> None:
+        problem = model_mismatch(reference["info"], info) if "info" in reference else None
+        if problem:
+            raise IncompatibleTargets(f"target {replica.address} {problem}")
+
+    targets = TargetPool(target_addrs, breaker_open_s=breaker_open_s, on_info=check_target,
+                         resolve_interval_s=resolve_interval_s)
     try:
-        target_info = target.info(timeout=startup_timeout_s)
-    except grpc.RpcError as e:
+        target_info = reference["info"] = targets.connect(startup_timeout_s)
+    except TargetsUnreachable as e:
+        targets.close()
         raise StartupError(f"the target at {target_addr} did not answer within {startup_timeout_s:g} s "
-                           f"({e.code().name}): start it first, or point --target at it") from e
+                           f"({e}): start it first, or point --target at it") from e
+    except IncompatibleTargets as e:
+        targets.close()
+        raise StartupError(f"--target: {e}") from e
     tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
     if isinstance(draft_addrs, str):
         draft_addrs = [a.strip() for a in draft_addrs.split(",")]
@@ -481,7 +507,7 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
     except StoreUnavailable as e:
         log.warning("session store unreachable at start-up; new sessions fail until it is back",
                     extra={"error": str(e)})
-    return OrchestratorServicer(target, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
+    return OrchestratorServicer(targets, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
                                 max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
                                 admin_tokens=admin_tokens,
                                 max_sessions_per_principal=max_sessions_per_principal)
@@ -517,12 +543,13 @@ def serve(args: argparse.Namespace) -> None:
                          "or more")
     if not args.resolve_interval_s > 0:
         raise SystemExit(f"--resolve-interval-s must be positive, got {args.resolve_interval_s}")
-    for address in (a.strip() for a in (args.draft or "").split(",")):
-        if is_dns(address):
-            try:
-                parse_dns(address)
-            except ValueError as e:
-                raise SystemExit(f"--draft: {e}") from None
+    for flag, addresses in (("--target", args.target), ("--draft", args.draft)):
+        for address in (a.strip() for a in (addresses or "").split(",")):
+            if is_dns(address):
+                try:
+                    parse_dns(address)
+                except ValueError as e:
+                    raise SystemExit(f"{flag}: {e}") from None
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
     tokens, admin_tokens = read_tokens(args.auth_tokens_file), read_tokens(args.admin_tokens_file)

@@ -56,7 +56,8 @@ class LoopConfig:
         2.0, "a Propose's deadline: this x the measured target step time (a slower draft is no help)")
     draft_first_call_timeout_ms: float = setting(5000.0, cli=False)  # a replica's first call prefills the prompt
     target_timeout_s: float = setting(30.0, cli=False)
-    target_grace_s: float = setting(30.0, "wait this long for a dead target to return")
+    target_grace_s: float = setting(
+        30.0, "wait this long for a dead target to return (only when no other target replica is usable)")
     store_grace_s: float = setting(10.0, "wait this long for Redis to return")
 
 
@@ -67,14 +68,17 @@ class ServerSettings:
     http_listen: str = setting(
         "127.0.0.1:8000", "the OpenAI-compatible HTTP API (docs/http.md) at HOST:PORT (port 0 = any free one; "
         "'' = no HTTP API)")
-    target: str = setting("127.0.0.1:50052", "target service address")
+    target: str = setting(
+        "127.0.0.1:50052", "target service addresses, comma-separated; 'dns:///NAME:PORT' is every address NAME "
+        "resolves to, re-resolved while running. Several replicas form a pool: each session is placed on one (affinity, "
+        "least loaded), and moves at once to another when its replica fails; all must serve the same model")
     draft: str = setting(
         "127.0.0.1:50051", "draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
         "the n-gram drafter inside this process (no Propose round trip); 'dns:///NAME:PORT' is every address NAME "
         "resolves to, one replica each, re-resolved while running (--scale'd compose services, Kubernetes headless "
         "Services)")
     resolve_interval_s: float = setting(
-        5.0, "how often dns:/// draft addresses are resolved again (also soon after a replica fails)")
+        5.0, "how often dns:/// draft and target addresses are resolved again (also soon after a replica fails)")
     local_datastore: str = setting(
         "auto", "n-gram datastore of a local:ngram drafter: auto (the target's, if `specdec datastore` built one), "
         "none, or a path")

@@ -14,7 +14,7 @@ from orchestrator.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed_probe(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("orchestrator.draft_pool.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("orchestrator.replica_pool.time.monotonic", lambda: now[0])
     b = CircuitBreaker(open_s=1.0, max_open_s=3.0, failure_threshold=2)
     b.failure()
     assert b.state == CLOSED and b.allow()
@@ -40,7 +40,7 @@ def test_a_breaker_opened_by_timeouts_waits_out_its_back_off_though_health_check
     """A slow replica answers health checks: were they to end its back-off, a session would pay a draft deadline
     probing it at every check. Failures that health checks do see (unreachable) still end early."""
     now = [100.0]
-    monkeypatch.setattr("orchestrator.draft_pool.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("orchestrator.replica_pool.time.monotonic", lambda: now[0])
     b = CircuitBreaker(open_s=1.0, failure_threshold=1)
     b.failure(health_blind=True)  # a timeout
     b.health_ok()

@@ -27,8 +27,12 @@ class Generation:
         return self.state.rec
 
     def run(self, store) -> Iterator[Chunk]:
-        """The session's blocks, each stored before it is yielded (stream.py)."""
-        return self.stream.run(store)
+        """The session's blocks, each stored before it is yielded (stream.py); the session's place on its target
+        is given up when they end."""
+        try:
+            yield from self.stream.run(store)
+        finally:
+            self.state.leave_target()
 
 
 def stats_message(rec: SessionRecord) -> opb.GenerationStats:

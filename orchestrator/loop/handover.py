@@ -37,9 +37,12 @@ class PromptHandover:
         lag = len(rec.committed) - 1 - rec.target_pos
         if not self._draft_lags(replica) or lag < PARALLEL_PREFILL_MIN_TOKENS:
             return None
+        target = state.target_replica()
+        if target is None:
+            return None
         rec.stats.parallel_prefills += 1
-        return state.backends.target.prefill_async(rec.session_id, rec.committed[:-1], rec.target_pos,
-                                                   state.cfg.target_timeout_s)
+        return target.client.prefill_async(rec.session_id, rec.committed[:-1], rec.target_pos,
+                                           state.cfg.target_timeout_s)
 
     def finish_parallel_prefill(self, future) -> None:
         if future is None:
@@ -64,10 +67,13 @@ class PromptHandover:
         if (state.cfg.draft_prefill != "target-kv" or not fingerprint or info is None
                 or info.kv_fingerprint != fingerprint or not self._draft_lags(replica)):
             return None
+        target = state.target_replica()
+        if target is None:
+            return None
         t0 = time.perf_counter()
         try:
             with telemetry.call_attributes(session_id=rec.session_id):
-                reply = state.backends.target.prefill(rec.session_id, rec.committed[:-1],
+                reply = target.client.prefill(rec.session_id, rec.committed[:-1],
                                                       min(rec.target_pos, len(rec.committed) - 1),
                                                       state.cfg.target_timeout_s, export_kv=True)
         except grpc.RpcError as e:  # the Verify resends what the target lacks; the draft prefills itself

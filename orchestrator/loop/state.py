@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, Ema, TargetCost
 from orchestrator.draft_pool import DraftPool
 from orchestrator.session_store import SessionRecord
+from orchestrator.target_pool import TargetPool
 from orchestrator.settings import LoopConfig
 from specdec.core.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2 as opb
@@ -74,7 +74,7 @@ class StepTimer(Ema):
 @dataclass
 class Backends:
     """The services a generation calls, and the target model's facts it needs."""
-    target: TargetClient
+    target: TargetPool | None
     pool: DraftPool | None
     tokenizer: object
     eos_ids: set[int]
@@ -121,6 +121,20 @@ class LoopState:
         self.max_draft_len = min(cfg.max_draft_len, backends.target_max_draft_len or cfg.max_draft_len)
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
         self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
+        self.target_seat = backends.target.seat(rec.session_id) if backends.target is not None else None
+
+    def target_replica(self):
+        """The session's target replica, placed on first use; None while no replica is usable. A replica new to the
+        session (it moved off one that failed) rebuilds the session's cache from the committed tokens."""
+        replica, moved = self.target_seat.current()
+        if moved:
+            self.rec.target_pos = 0
+            self.stats.target_resyncs += 1
+        return replica
+
+    def leave_target(self) -> None:
+        if self.target_seat is not None:
+            self.target_seat.leave()
 
     @property
     def stats(self):

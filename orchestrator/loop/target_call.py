@@ -1,5 +1,6 @@
-"""The target side of a step: Verify (a chain or a tree) and target-only Decode, waiting out a target that went away
-for its grace period."""
+"""The target side of a step: Verify (a chain or a tree) and target-only Decode on the session's target replica,
+moving to another replica when that one goes away and waiting for one to come back, for the grace period, only when
+none is left."""
 
 from __future__ import annotations
 
@@ -20,27 +21,54 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 class TargetCall:
     def __init__(self, state: LoopState):
         self.state = state
+        self.client = None  # the replica's client and whether to wait on its channel, for the call being made
+        self.wait_for_ready = True
 
     def call(self, fn, what: str):
-        """fn(timeout_s) on the target; if it is down, wait (grpc wait_for_ready) up to the grace period for it."""
-        state, cfg = self.state, self.state.cfg
-        deadline = time.monotonic() + cfg.target_grace_s
+        """fn(timeout_s) on the session's target replica (self.client). One that went away sends the session to
+        another usable replica at once (its cache rebuilt there from the committed tokens); only while none is
+        usable does the call wait, up to the grace period, for one to come back. Without a target pool (a unit
+        test's state) fn is simply retried within the grace period."""
+        state, cfg, seat = self.state, self.state.cfg, self.state.target_seat
+        alone = seat is None or len(seat.pool.replicas) == 1
+        # One replica: the grace period runs from the call's start, as it always did; several: from when none is left.
+        waiting_since = time.monotonic() if alone else None
+        last = None
         while True:
-            try:
-                reply = fn(min(cfg.target_timeout_s, max(0.05, deadline - time.monotonic())))
-                if reply.resynced:
-                    state.stats.target_resyncs += 1
-                return reply
-            except grpc.RpcError as e:
-                if e.code() not in RETRYABLE:
-                    raise GenerationError(e.code(), f"target {what} failed: {e.details()}") from e
-                if time.monotonic() >= deadline or state.control.cancel.is_set():
-                    raise GenerationError(grpc.StatusCode.UNAVAILABLE,
-                                          f"target unavailable for {cfg.target_grace_s:.0f} s during {what}: "
-                                          f"{e.details()}; the session can be resumed") from e
-                log.warning("target unavailable; waiting", extra={"session_id": state.rec.session_id,
-                                                                  "code": e.code().name})
-                time.sleep(0.1)
+            replica = state.target_replica() if seat is not None else None
+            if replica is not None or seat is None:
+                # One replica: wait on its channel for it to come back (grpc wait_for_ready), as long as the grace
+                # period allows. Several: fail fast on one that is down and move on.
+                left = cfg.target_grace_s - (time.monotonic() - waiting_since if waiting_since else 0.0)
+                timeout = min(cfg.target_timeout_s, max(0.05, left)) if alone else cfg.target_timeout_s
+                self.client, self.wait_for_ready = (replica.client if replica else None), alone
+                try:
+                    reply = fn(timeout)
+                except grpc.RpcError as e:
+                    if e.code() not in RETRYABLE:
+                        if replica is not None:
+                            replica.breaker.no_call()  # the replica answered: a probe it let through is not lost
+                        raise GenerationError(e.code(), f"target {what} failed: {e.details()}") from e
+                    last = e
+                    log.warning("target unavailable", extra={"session_id": state.rec.session_id, "code": e.code().name,
+                                                             "replica": replica.address if replica else ""})
+                    if seat is not None:
+                        seat.failed(health_blind=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+                        if seat.pool.any_available():
+                            continue  # another replica: at once
+                else:
+                    if replica is not None:
+                        replica.breaker.success()
+                    if reply.resynced:
+                        state.stats.target_resyncs += 1
+                    return reply
+            waiting_since = waiting_since or time.monotonic()
+            if time.monotonic() - waiting_since >= cfg.target_grace_s or state.control.cancel.is_set():
+                detail = f": {last.details()}" if last is not None else ""
+                raise GenerationError(grpc.StatusCode.UNAVAILABLE,
+                                      f"target unavailable for {cfg.target_grace_s:.0f} s during {what}{detail}; "
+                                      "the session can be resumed") from last
+            time.sleep(0.1)
 
     def verify(self, reply):
         """Verify a draft reply (a chain, or a tree when reply.tree_parents is set); the target's VerifyReply. Moves
@@ -50,9 +78,10 @@ class TargetCall:
         tree = reply.tree_parents is not None
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, k=len(reply.tokens), **({"tree": True} if tree else {})):
-            v = self.call(lambda t: state.backends.target.verify(
+            v = self.call(lambda t: self.client.verify(
                 rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, state.sampling,
-                state.seed, rec.step, t, wait_for_ready=True, tree_parents=reply.tree_parents), "verify")
+                state.seed, rec.step, t, wait_for_ready=self.wait_for_ready, tree_parents=reply.tree_parents),
+                "verify")
         state.count_overhead(t0, v.verify_ms)
         cost = state.measured.target_cost
         if not tree and cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
@@ -66,9 +95,9 @@ class TargetCall:
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=n, degraded=degraded):
-            d = self.call(lambda t: state.backends.target.decode(
+            d = self.call(lambda t: self.client.decode(
                 rec.session_id, rec.committed, rec.target_pos, n, state.sampling, state.seed, rec.step,
-                sorted(state.stop_ids), t, wait_for_ready=True), "decode")
+                sorted(state.stop_ids), t, wait_for_ready=self.wait_for_ready), "decode")
         state.count_overhead(t0, d.decode_ms)
         cost = state.measured.target_cost
         if cost is not None and plain and d.tokens:
