@@ -387,14 +387,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             return opb.CancelSessionResponse(cancelled=False)
         # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
         token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
-        asked = False
-        if self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None:
+        asked = self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None
+        if asked:
             # Streaming on another orchestrator: a live stream writes the cancellation itself at its next commit
             # (its lease fences us out). A dead one never will: wait its lease out (a live one renews it, and
-            # the wait ends within ~0.2 s), then write it here.
+            # the wait ends within ~0.2 s), then write it here; within the caller's deadline (None: the HTTP
+            # API's stand-in has none), after which the flag stays set.
             self.store.request_cancel(rec.session_id)
-            asked = True
-            if self.store.acquire_lease(rec.session_id, token) is not None:
+            remaining = getattr(context, "time_remaining", lambda: None)()
+            wait_s = min(self.store.lease_ttl_s + 0.5, math.inf if remaining is None else max(0.0, remaining - 0.5))
+            if self.store.acquire_lease(rec.session_id, token, wait_s=wait_s) is not None:
                 return opb.CancelSessionResponse(cancelled=True)
             self.store.clear_cancel_request(rec.session_id)
         try:

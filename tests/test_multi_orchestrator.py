@@ -143,7 +143,8 @@ def test_cancel_of_a_dead_orchestrators_session_is_recorded(cluster, reference):
     sid = first.session_id
     with SpecdecClient(b_addr, timeout_s=120) as b:
         assert b.cancel(sid) is True
-        assert time.monotonic() - killed_at < LEASE_S + 1.5  # the lease's wait, not more
+        waited = time.monotonic() - killed_at
+        assert LEASE_S / 2 < waited < LEASE_S + 1.5, f"{waited:.2f} s: not the wait for the dead stream's lease"
         info = b.get_session(sid)
         assert info.status == "cancelled" and info.finish_reason == opb.FINISH_REASON_CANCELLED
         stored = list(info.generated_token_ids)
