@@ -20,6 +20,8 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                         "one round trip per step); quantized: the target's own weights in int8 as the draft model")
     p.add_argument("--draft-model", default=StackConfig.draft_model)
     p.add_argument("--draft-replicas", type=int, default=StackConfig.draft_replicas)
+    p.add_argument("--target-replicas", type=int, default=StackConfig.target_replicas,
+                   help="target processes; each session is placed on one and moves to another if its target fails")
     p.add_argument("--draft-len", type=int, default=StackConfig.draft_len,
                    help="draft length (the starting one when adaptive)")
     p.add_argument("--adaptive-draft-len", action=argparse.BooleanOptionalAction,
@@ -49,6 +51,7 @@ def _stack_config(args):
 
     return StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
                        draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
+                       target_replicas=args.target_replicas,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
                        store=args.store, threads=args.threads, device=args.device, dtype=args.dtype,
@@ -228,7 +231,8 @@ def cmd_up(args) -> int:
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
     _start(stack, "up")
     print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
-                      "drafts": [d.address for d in stack.drafts], "draft_strategy": stack.draft_strategy,
+                      "targets": [t.address for t in stack.targets], "drafts": [d.address for d in stack.drafts],
+                      "draft_strategy": stack.draft_strategy,
                       "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
                       "cpu_affinity": stack.cpu_affinity()}), flush=True)
     stop = threading.Event()

@@ -130,6 +130,7 @@ class StackConfig:
     # drafter inside the orchestrator (no draft process)
     draft_model: str = DraftSettings.model
     draft_replicas: int = 1
+    target_replicas: int = 1  # target processes; the orchestrator places each session on one (a target pool)
     # The orchestrator's own defaults (orchestrator/settings.py). The library keeps pipelining off (tests and chaos
     # runs count steps); `specdec run/up` and deploy/docker-compose.yml turn it on (auto), as measured best in bench/.
     draft_len: int = LoopConfig.default_draft_len
@@ -146,7 +147,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     orchestrator_port: int = 0
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port; None = none)
-    metrics_base_port: int = 0  # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i
+    # >0: Prometheus endpoints on orchestrator=base, target=base+1, drafts=base+2+i, further targets after the drafts
+    metrics_base_port: int = 0
     # auto: the target and each draft process on CPUs of their own where enough are allowed (cpu_affinity.py;
     # `specdec run`, the benchmark's single sessions); off: the scheduler places them (`specdec up`, tests).
     pin_cpus: str = "off"
@@ -209,7 +211,7 @@ class LocalStack:
         self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="specdec-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis: RedisServer | None = None
-        self.target: ServiceProcess | None = None
+        self.targets: list[ServiceProcess] = []
         self.drafts: list[ServiceProcess] = []
         self.orchestrator: ServiceProcess | None = None
         self.draft_strategy = resolve_draft_strategy(cfg)
@@ -237,8 +239,19 @@ class LocalStack:
         return affinity_args(self.cpu_plan, name)
 
     @property
+    def target(self) -> ServiceProcess | None:
+        """The first target process (a one-target stack's only one)."""
+        return self.targets[0] if self.targets else None
+
+    @property
     def address(self) -> str:
         return self.orchestrator.address
+
+    def _draft_count(self) -> int:
+        return 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
+
+    def _target_metrics(self, i: int) -> list[str]:
+        return self._metrics(1 if i == 0 else 1 + self._draft_count() + i)
 
     def _metrics(self, offset: int) -> list[str]:
         return ["--metrics-port", str(self.cfg.metrics_base_port + offset)] if self.cfg.metrics_base_port else []
@@ -267,8 +280,8 @@ class LocalStack:
             from specdec.observability import metrics_host
 
             host = metrics_host()
-            drafts = 0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas
-            wanted += [(host, cfg.metrics_base_port + i, "metrics", "--metrics-base-port") for i in range(2 + drafts)]
+            services = 1 + self._draft_count() + max(1, cfg.target_replicas)
+            wanted += [(host, cfg.metrics_base_port + i, "metrics", "--metrics-base-port") for i in range(services)]
         for host, port, what, flag in wanted:
             problem = bind_problem(host, port)
             if problem:
@@ -289,7 +302,7 @@ class LocalStack:
                     from None
 
     def services(self) -> list[ServiceProcess]:
-        return [p for p in (self.target, *self.drafts, self.orchestrator) if p is not None]
+        return [p for p in (*self.targets, *self.drafts, self.orchestrator) if p is not None]
 
     def start(self, timeout: float = 600.0, progress=None) -> "LocalStack":
         """Start everything and wait until it serves. progress([(name, status), ...]), if given, is called about
@@ -310,18 +323,22 @@ class LocalStack:
             if cfg.store == "redis":
                 self.redis = RedisServer(data_dir=str(self.log_dir / "redis"))  # tracked before it starts
                 self.redis.start()
-            self.target = ServiceProcess("target", ["target", "--model", cfg.target_model, "--listen",
-                                                    f"{cfg.host}:0", *self._common(), *self._metrics(1),
-                                                    *self._batching(), *self._affinity("target"), *cfg.target_args],
-                                          self.log_dir)
-            self.target.start()  # tracked before its process exists: a Ctrl-C now still stops it
+            if cfg.target_replicas < 1:
+                raise ValueError(f"target_replicas must be at least 1, got {cfg.target_replicas}")
+            for i in range(cfg.target_replicas):
+                name = "target" if i == 0 else f"target{i}"
+                self.targets.append(ServiceProcess(
+                    name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(),
+                           *self._target_metrics(i), *self._batching(), *self._affinity(name), *cfg.target_args],
+                    self.log_dir))
+                self.targets[-1].start()  # tracked before its process exists: a Ctrl-C now still stops it
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i), *self._affinity(f"draft{i}")]
                 dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
                 self.drafts.append(ServiceProcess(f"draft{i}", dargs + cfg.draft_args, self.log_dir))
                 self.drafts[-1].start()
-            target_addr = self.target.wait_ready(timeout)
+            target_addr = ",".join(t.wait_ready(timeout) for t in self.targets)
             draft_addrs = [d.wait_ready(timeout) for d in self.drafts]
             self.start_orchestrator(target_addr, draft_addrs, timeout)
             return self
@@ -335,7 +352,7 @@ class LocalStack:
 
     def start_orchestrator(self, target_addr: str | None = None, draft_addrs: list[str] | None = None,
                            timeout: float = 120.0) -> str:
-        target_addr = target_addr or self.target.address
+        target_addr = target_addr or ",".join(t.address for t in self.targets)
         draft_addrs = draft_addrs if draft_addrs is not None else [d.address for d in self.drafts]
         if self.draft_strategy == LOCAL_NGRAM:
             draft_addrs = ["local:ngram"]
@@ -360,7 +377,7 @@ class LocalStack:
         return self.orchestrator.http_url if self.orchestrator else None
 
     def stop(self) -> None:
-        for p in [self.orchestrator, *self.drafts, self.target]:
+        for p in [self.orchestrator, *self.drafts, *self.targets]:
             if p is not None:
                 p.stop()
         if self.redis:

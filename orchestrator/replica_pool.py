@@ -100,6 +100,8 @@ class CircuitBreaker:
 class Replica:
     """One service replica: its client (a channel), breaker, health watch and ModelInfo."""
 
+    WATCH = True  # follow Health.Watch (else the periodic health checks and failed calls open the breaker)
+
     def __init__(self, address: str, breaker: CircuitBreaker, client):
         self.address = address
         self.client = client
@@ -119,7 +121,8 @@ class Replica:
         per-channel event thread alive: grpc starts that thread whenever a call that is not blocking (a pipelined
         prefetch's future) finds no other such call in flight, and ends it after; ~0.2-0.3 ms more per prefetched
         Propose here without a standing call."""
-        if self.health_stub is None or self.watch_stopped or (self.watch is not None and self.watch.running()):
+        if (not self.WATCH or self.health_stub is None or self.watch_stopped
+                or (self.watch is not None and self.watch.running())):
             return
         try:
             self.watch = self.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))

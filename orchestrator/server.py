@@ -478,41 +478,45 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
     except IncompatibleTargets as e:
         targets.close()
         raise StartupError(f"--target: {e}") from e
-    tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
-    if isinstance(draft_addrs, str):
-        draft_addrs = [a.strip() for a in draft_addrs.split(",")]
-    draft_addrs = [a for a in (draft_addrs or []) if a]
-    pool = None
-    if draft_addrs:
-        pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
-                         on_info=lambda replica, info: check_compatible(target_info, info),
-                         local_client=lambda address: build_local_client(
-                             address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore),
-                         resolve_interval_s=resolve_interval_s)
-        for replica in pool.replicas:
-            try:
-                replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
-            except grpc.RpcError as e:
-                log.warning("draft replica not reachable at start-up; it joins when healthy",
-                            extra={"replica": replica.address, "code": e.code().name})
-            else:
-                check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
-                if cfg.tree_budget and not replica.info.drafts_trees:
-                    log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
-                                "chains", extra={"replica": replica.address, "model": replica.info.model_name})
     try:
-        store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
-    except ValueError as e:  # orchestrator/store_client.py's StoreUrlError: a malformed --redis URL
-        raise StartupError(f"--redis: {e}") from None
-    try:
-        store.ping()
-    except StoreUnavailable as e:
-        log.warning("session store unreachable at start-up; new sessions fail until it is back",
-                    extra={"error": str(e)})
-    return OrchestratorServicer(targets, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
-                                max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
-                                admin_tokens=admin_tokens,
-                                max_sessions_per_principal=max_sessions_per_principal)
+        tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
+        if isinstance(draft_addrs, str):
+            draft_addrs = [a.strip() for a in draft_addrs.split(",")]
+        draft_addrs = [a for a in (draft_addrs or []) if a]
+        pool = None
+        if draft_addrs:
+            pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
+                             on_info=lambda replica, info: check_compatible(target_info, info),
+                             local_client=lambda address: build_local_client(
+                                 address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore),
+                             resolve_interval_s=resolve_interval_s)
+            for replica in pool.replicas:
+                try:
+                    replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
+                except grpc.RpcError as e:
+                    log.warning("draft replica not reachable at start-up; it joins when healthy",
+                                extra={"replica": replica.address, "code": e.code().name})
+                else:
+                    check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
+                    if cfg.tree_budget and not replica.info.drafts_trees:
+                        log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
+                                    "chains", extra={"replica": replica.address, "model": replica.info.model_name})
+        try:
+            store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
+        except ValueError as e:  # orchestrator/store_client.py's StoreUrlError: a malformed --redis URL
+            raise StartupError(f"--redis: {e}") from None
+        try:
+            store.ping()
+        except StoreUnavailable as e:
+            log.warning("session store unreachable at start-up; new sessions fail until it is back",
+                        extra={"error": str(e)})
+        return OrchestratorServicer(targets, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
+                                    max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
+                                    admin_tokens=admin_tokens,
+                                    max_sessions_per_principal=max_sessions_per_principal)
+    except BaseException:
+        targets.close()  # its health thread must not outlive a failed start
+        raise
 
 
 def build_server(servicer: OrchestratorServicer, address: str, tls=None) -> ServiceServer:

@@ -314,6 +314,7 @@ def test_orchestrator_points_at_existing_services(compose):
         assert host in services["orchestrator"]["depends_on"], f"the orchestrator should depend on {host}"
 
     check(orch.target, "target", "target")
+    assert orch.target == "dns:///target:50052"  # `--scale target=N`: every replica joins the orchestrator's pool
     drafts = [a.strip() for a in orch.draft.split(",") if a.strip()]
     assert drafts, "no --draft address: speculation would be off"
     for address in drafts:

@@ -231,7 +231,8 @@ def test_the_services_run_with_flags_they_have_and_find_each_other(overlay):
     orch = args["orchestrator"]
     assert orch.draft == "dns:///draft-headless:50051"  # every draft pod a replica, re-resolved while running
     assert orch.resolve_interval_s > 0
-    for address, name in ((orch.draft.removeprefix("dns:///"), "draft"), (orch.target, "target")):
+    assert orch.target == "dns:///target-headless:50052"  # every target pod a replica of the orchestrator's pool
+    for address, name in ((orch.draft.removeprefix("dns:///"), "draft"), (orch.target.removeprefix("dns:///"), "target")):
         host = address.rpartition(":")[0]
         service = docs[("Service", host)]
         assert service["spec"]["clusterIP"] == "None"  # headless: one DNS record per ready pod

@@ -1,0 +1,252 @@
+"""Target replicas as a pool (orchestrator/target_pool.py): each session placed on one replica (rendezvous affinity,
+bounded load, breakers), moved at once to another when its replica fails, and the output unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from orchestrator.replica_pool import OPEN, rank
+from orchestrator.target_pool import (LOAD_SLACK, IncompatibleTargets, TargetPool, merge_infos, model_mismatch)
+from specdec.client import SpecdecClient
+from specdec.v1 import common_pb2
+
+TINY = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
+ADDRESSES = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]  # nothing listens: placement needs no calls
+
+
+def quiet_pool(addresses=ADDRESSES, **kwargs) -> TargetPool:
+    return TargetPool(list(addresses), health_interval_s=3600, resolve_interval_s=3600, **kwargs)
+
+
+def test_a_session_goes_to_its_rendezvous_replica_and_comes_back_to_it():
+    pool = quiet_pool()
+    try:
+        for i in range(20):
+            sid = f"session-{i}"
+            seat = pool.seat(sid)
+            replica, moved = seat.current()
+            assert not moved and replica.address == max(ADDRESSES, key=lambda a: rank(sid, a))
+            assert seat.current() == (replica, False)  # it stays
+            seat.leave()
+            assert replica.sessions == 0
+            again = pool.seat(sid)
+            assert again.current()[0] is replica  # a resumed session finds the replica holding its cache
+            again.leave()
+    finally:
+        pool.close()
+
+
+def test_load_is_bounded_so_no_replica_takes_far_more_than_its_share():
+    pool = quiet_pool()
+    try:
+        seats = [pool.seat(f"s{i}") for i in range(90)]
+        for seat in seats:
+            seat.current()
+        loads = [r.sessions for r in pool.replicas]
+        assert sum(loads) == 90
+        assert max(loads) <= LOAD_SLACK * 90 / 3 + 1, loads
+        assert pool.sessions_per_replica() == max(loads)
+        for seat in seats:
+            seat.leave()
+        assert [r.sessions for r in pool.replicas] == [0, 0, 0]
+    finally:
+        pool.close()
+
+
+def test_a_failed_replica_is_skipped_and_its_sessions_move_at_once():
+    pool = quiet_pool()
+    try:
+        sid = "moving"
+        seat = pool.seat(sid)
+        first, _ = seat.current()
+        seat.failed(health_blind=False)  # one failure opens a target's breaker
+        assert first.breaker.state == OPEN and first.sessions == 1
+        second, moved = seat.current()
+        assert moved and second is not first and first.sessions == 0 and second.sessions == 1
+        assert seat.moves == 1
+        assert all(pool.seat(f"n{i}").current()[0] is not first for i in range(30))  # nobody goes to the open one
+        for r in pool.replicas:
+            if r is not first:
+                r.breaker.failure()
+        assert seat.current() == (None, False) and not pool.any_available()  # none left: the caller waits
+    finally:
+        pool.close()
+
+
+def test_a_refused_replica_takes_no_session():
+    pool = quiet_pool()
+    try:
+        pool.replicas[0].refused = "serves another model"
+        assert all(pool.seat(f"s{i}").current()[0] is not pool.replicas[0] for i in range(30))
+    finally:
+        pool.close()
+
+
+def info(**fields) -> common_pb2.ModelInfo:
+    base = dict(model_name="m", vocab_size=64, tokenizer_fingerprint="tok", max_context=1024, eos_token_ids=[2],
+                kv_fingerprint="kv")
+    return common_pb2.ModelInfo(**{**base, **fields})
+
+
+def test_replicas_must_serve_the_same_model_and_the_pool_takes_the_strictest_limits():
+    merged = merge_infos([info(max_context=1024, max_draft_len=16, forward_ms=[5, 6], max_batch=8),
+                          info(max_context=512, max_draft_len=8, forward_ms=[9, 10], max_batch=4)])
+    assert merged.max_context == 512 and merged.max_draft_len == 8
+    assert list(merged.forward_ms) == [9, 10] and merged.max_batch == 4  # the slowest replica's profile
+    with pytest.raises(IncompatibleTargets, match="tokenizer_fingerprint"):
+        merge_infos([info(), info(tokenizer_fingerprint="other")])
+    with pytest.raises(IncompatibleTargets, match="model_name"):
+        merge_infos([info(), info(model_name="bigger")])
+    assert model_mismatch(merged, info(max_context=2048, max_draft_len=8)) is None
+    assert "shorter" in model_mismatch(merged, info(max_context=256))
+    assert "another model" in model_mismatch(merged, info(eos_token_ids=[3]))
+
+
+def test_an_orchestrator_refuses_targets_of_different_models_at_start(redis_url):
+    from orchestrator.server import build_servicer
+    from orchestrator.settings import LoopConfig
+    from specdec.core.grpc_util import StartupError
+    from tests.harness import model
+    from specdec.core.kv_cache import SessionCacheStore
+    from target_service.engine import TargetEngine
+    from target_service.server import build_server
+
+    other = "tiny:vocab=64,layers=1,hidden=32,seed=1,std=0.3"
+    servers = [build_server(TargetEngine(model(spec), SessionCacheStore()), "127.0.0.1:0").start()
+               for spec in (TINY, other)]
+    try:
+        with pytest.raises(StartupError, match="--target: target replicas serve different models"):
+            build_servicer(",".join(s.address for s in servers), None, redis_url, TINY, LoopConfig(),
+                           startup_timeout_s=20)
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+def test_up_with_two_target_replicas_reports_both(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
+                             "--target-model", TINY, "--draft-strategy", "local-ngram", "--store", "memory",
+                             "--target-replicas", "2", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # the JSON line, once everything serves
+        report = json.loads(line)
+        assert len(report["targets"]) == 2 and len(set(report["targets"])) == 2
+        assert report["target"] == report["targets"][0]
+        client = SpecdecClient(report["orchestrator"], timeout_s=60)
+        try:
+            assert len(client.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True).token_ids) == 8
+        finally:
+            client.close()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+@pytest.mark.serial  # the kill must land while the generation runs
+def test_a_generation_whose_target_is_killed_moves_to_the_other_and_does_not_wait_for_the_grace_period(tmp_path):
+    from launcher.stack import LocalStack, StackConfig
+
+    grace_s = 30.0
+    cfg = StackConfig(target_model=TINY, draft_strategy="local-ngram", target_replicas=2, store="memory",
+                      orchestrator_args=["--target-grace-s", str(grace_s)])
+    stack = LocalStack(cfg, str(tmp_path)).start(timeout=180)
+    client = SpecdecClient(stack.address, timeout_s=120)
+    try:
+        prompt, n = [1, 5, 9, 12, 5, 9], 900
+        reference = client.generate(prompt, max_new_tokens=n, ignore_eos=True, speculation=False).token_ids
+        by_address = {t.address: t for t in stack.targets}
+        tokens, killed_at, stats = [], None, None
+        for msg in client.stream(prompt, max_new_tokens=n, ignore_eos=True):
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if killed_at is None and len(tokens) >= 8:
+                # One session, nothing else placed: it is on the top of its rendezvous ranking.
+                victim = by_address[max(by_address, key=lambda a: rank(msg.session_id, a))]
+                assert len(tokens) < n, "the generation ended before the kill"
+                victim.kill()  # SIGKILL
+                killed_at = time.monotonic()
+        finished_in = time.monotonic() - killed_at
+        assert tokens == reference
+        assert finished_in < grace_s / 3, f"the generation waited {finished_in:.1f} s after the kill"
+        assert stats.target_resyncs >= 1  # the other target rebuilt the session's cache from the committed tokens
+        # New sessions go to the target that is left.
+        assert client.generate(prompt, max_new_tokens=40, ignore_eos=True, speculation=False).token_ids == \
+            reference[:40]
+    finally:
+        client.close()
+        stack.stop()
+
+
+def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_moves(redis_url):
+    """dns:///NAME:PORT for targets: real target services on two loopback addresses behind a fake resolver;
+    one appearing is used, one disappearing loses its sessions to the other, mid-generation, tokens unchanged."""
+    from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server
+    from orchestrator.session_store import open_store
+    from orchestrator.settings import LoopConfig
+    from specdec.core.kv_cache import SessionCacheStore
+    from target_service.engine import TargetEngine
+    from target_service.server import build_server as build_target_server
+    from tests.harness import model
+    from tests.test_discovery import FakeDns, wait_until
+
+    tl = model(TINY)
+    engines = [TargetEngine(tl, SessionCacheStore()) for _ in range(2)]
+    for engine in engines:  # 20 ms a Decode: the stream is still going when DNS changes
+        decode = engine.decode
+        engine.decode = lambda *args, decode=decode, **kwargs: (time.sleep(0.02), decode(*args, **kwargs))[1]
+    a = build_target_server(engines[0], "127.0.0.1:0").start()
+    port = int(a.address.rsplit(":", 1)[1])
+    b = build_target_server(engines[1], f"127.0.0.2:{port}").start()  # the same port on another address, as pods
+    addr_a, addr_b = f"127.0.0.1:{port}", f"127.0.0.2:{port}"
+    dns = FakeDns(addr_a)
+    pool = TargetPool([f"dns:///target.test:{port}"], resolve=dns, resolve_interval_s=0.1)
+    servicer = server = client = None
+    try:
+        target_info = pool.connect(20)
+        servicer = OrchestratorServicer(pool, None, open_store(redis_url), tl.tokenizer, target_info,
+                                        LoopConfig(target_grace_s=30), max_new_tokens_limit=900)
+        server = build_orchestrator_server(servicer, "127.0.0.1:0").start()
+        client = SpecdecClient(server.address, timeout_s=120)
+        prompt = [1, 5, 9, 12, 5, 9]
+        reference = client.generate(prompt, max_new_tokens=300, ignore_eos=True).token_ids
+
+        dns.addresses = [addr_a, addr_b]  # a replica appears: sessions are placed on it without a restart
+        assert wait_until(lambda: [r.address for r in pool.replicas] == [addr_a, addr_b])
+        sid = next(f"s{i}" for i in range(100) if max((addr_a, addr_b), key=lambda x: rank(f"s{i}", x)) == addr_b)
+        seat = pool.seat(sid)
+        assert seat.current()[0].address == addr_b
+        seat.leave()
+
+        tokens, state, stats = [], {}, None
+        for msg in client.stream(prompt, max_new_tokens=300, ignore_eos=True):
+            tokens += msg.token_ids
+            if msg.HasField("stats"):
+                stats = msg.stats
+            if len(tokens) >= 8 and not state:
+                on = max((addr_a, addr_b), key=lambda x: rank(msg.session_id, x))  # alone: its top replica
+                assert pool.by_address(on).sessions == 1
+                state["stayed"] = addr_a if on == addr_b else addr_b
+                dns.addresses = [state["stayed"]]  # its replica leaves the pool (still running: DNS says so)
+                assert pool.refresh() == [state["stayed"]]
+                state["at"], state["tokens"] = time.monotonic(), len(tokens)
+        assert state["tokens"] < 300, "the generation ended before its replica left"
+        assert tokens == reference
+        assert time.monotonic() - state["at"] < 10  # it moved; it did not wait out the 30 s grace period
+        assert stats.target_resyncs >= 1 and pool.by_address(state["stayed"]).sessions == 0
+    finally:
+        if client is not None:
+            client.close()
+        if servicer is not None:
+            servicer.close()
+        pool.close()
+        for s in (server, a, b):
+            if s is not None:
+                s.stop(0)
