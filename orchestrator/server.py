@@ -13,6 +13,7 @@ from collections import Counter
 
 import grpc
 
+from orchestrator.cancel import cancel_stored, lease_wait_s
 from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.discovery import is_dns, parse_dns
@@ -385,30 +386,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             return opb.CancelSessionResponse(cancelled=True)
         if rec.status != "running":
             return opb.CancelSessionResponse(cancelled=False)
-        # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
         token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
-        asked = self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None
-        if asked:
-            # Streaming on another orchestrator: a live stream writes the cancellation itself at its next commit
-            # (its lease fences us out). A dead one never will: wait its lease out (a live one renews it, and
-            # the wait ends within ~0.2 s), then write it here; within the caller's deadline (None: the HTTP
-            # API's stand-in has none), after which the flag stays set.
-            self.store.request_cancel(rec.session_id)
-            remaining = getattr(context, "time_remaining", lambda: None)()
-            wait_s = min(self.store.lease_ttl_s + 0.5, math.inf if remaining is None else max(0.0, remaining - 0.5))
-            if self.store.acquire_lease(rec.session_id, token, wait_s=wait_s) is not None:
-                return opb.CancelSessionResponse(cancelled=True)
-            self.store.clear_cancel_request(rec.session_id)
-        try:
-            rec = self._load(request.session_id, rec.params.owner)  # as stored, now that we hold it
-            if rec.status != "running":  # ended meanwhile: cancelled by our request, or finished first
-                return opb.CancelSessionResponse(cancelled=asked and rec.status == "cancelled")
-            rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
-            self.store.update_state(rec, token)
-        finally:
-            self.store.release_lease(rec.session_id, token)
-        self._release_caches(rec.session_id)
-        return opb.CancelSessionResponse(cancelled=True)
+        cancelled, written = cancel_stored(self.store, rec.session_id, token, lambda: self._load(
+            request.session_id, rec.params.owner), lease_wait_s(self.store, context))
+        if written:
+            self._release_caches(rec.session_id)
+        return opb.CancelSessionResponse(cancelled=cancelled)
 
     @handle_errors
     def GetOutline(self, request, context):
