@@ -50,6 +50,7 @@ class ChaosOptions:
     draft_strategy: str = "model"
     draft_model: str = TINY_DRAFT
     draft_replicas: int = 2
+    target_replicas: int = 1           # kill_target_pool runs with 2 (chaos/target_pool.py)
     draft_len: int = 4
     threads: int = 1
     device: str = "cpu"
@@ -132,7 +133,8 @@ class ChaosHarness:
                 "--target-grace-s", str(o.target_grace_s), "--store-grace-s", str(o.store_grace_s),
                 "--fallback-chunk", str(o.fallback_chunk)]
         cfg = StackConfig(target_model=o.target_model, draft_strategy=o.draft_strategy, draft_model=o.draft_model,
-                          draft_replicas=o.draft_replicas, draft_len=o.draft_len, adaptive_draft_len=False,
+                          draft_replicas=o.draft_replicas, target_replicas=o.target_replicas,
+                          draft_len=o.draft_len, adaptive_draft_len=False,
                           store="redis", threads=o.threads,
                           device=o.device, dtype=o.dtype, orchestrator_args=orch,
                           draft_args=["--inject-latency-ms", str(o.slow_latency_ms)])
@@ -150,7 +152,7 @@ class ChaosHarness:
             s = self.stack
             for d in s.drafts:
                 d.signal(signal.SIGCONT)
-            procs = [p for p in [s.orchestrator, *s.drafts, s.target] if p is not None]
+            procs = [p for p in [s.orchestrator, *s.drafts, *s.targets] if p is not None]
             threads = [threading.Thread(target=p.stop, daemon=True) for p in procs]  # in parallel: faster
             for t in threads:
                 t.start()
@@ -243,8 +245,9 @@ class ChaosHarness:
             s.redis.start()
         for d in s.drafts:
             d.signal(signal.SIGCONT)
-        if not s.target.alive():
-            s.target.restart()
+        for t in s.targets:
+            if not t.alive():
+                t.restart()
         for i, d in enumerate(s.drafts):
             if not d.alive():
                 self.restart_draft(i)

@@ -22,6 +22,7 @@ from chaos import DRAFT_FAULTS, SCENARIOS
 from chaos.faults import FAULTS
 from chaos.harness import ChaosHarness, ChaosOptions, _mismatches, _pct
 from chaos.load import Progress, RequestRecord, run_request
+from chaos.target_pool import POOL_FAULTS, options_for, pool_checks
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
 from orchestrator.draft_pool import _rank
 from orchestrator.session_store import KEY_PREFIX
@@ -48,7 +49,7 @@ class Scenario:
         self.name = name
         self.opts = h.opts
         self.rng = random.Random(f"{self.opts.seed}:{name}")
-        self.fault = FAULTS[name](h, self.rng)
+        self.fault = {**FAULTS, **POOL_FAULTS}[name](h, self.rng)
         self.fault.in_flight = self._in_flight
         self.progress = Progress()
         self.timeline = Timeline()
@@ -256,6 +257,7 @@ class Scenario:
                       "error": tl.error},
             "config": {"seed": o.seed, "quick": o.quick, "concurrency": o.concurrency,
                        "max_new_tokens": o.max_new_tokens, "draft_replicas": len(h.stack.drafts),
+                       "target_replicas": len(h.stack.targets),
                        "draft_timeout_floor_ms": o.draft_timeout_floor_ms,
                        "draft_timeout_factor": o.draft_timeout_factor, "breaker_open_s": o.breaker_open_s,
                        "target_grace_s": o.target_grace_s, "store_grace_s": o.store_grace_s,
@@ -304,6 +306,8 @@ def checks(res: dict) -> dict[str, bool]:
         c["streams_never_broken"] = res["resumes"] == 0 and res["retried_requests"] == 0
         c["within_target_grace"] = (res["fault"]["outage_s"] or 1e9) < res["config"]["target_grace_s"]
         c["fault_exercised"] = res["target_resyncs"] > 0
+    elif name in POOL_FAULTS:
+        c.update(pool_checks(res))
     elif name == "redis_restart":
         c["in_flight_never_broken"] = res["resumes"] == 0
         c["within_store_grace"] = (res["fault"]["outage_s"] or 1e9) < res["config"]["store_grace_s"]
@@ -327,10 +331,11 @@ def run_scenarios(names: list[str], opts: ChaosOptions, emit=None) -> list[dict]
     harness = None
     try:
         for name in names:
-            if harness is None or opts.fresh_stack:
+            wanted = options_for(name, opts)
+            if harness is None or opts.fresh_stack or harness.opts.target_replicas != wanted.target_replicas:
                 if harness is not None:
                     harness.stop()
-                harness = ChaosHarness(opts).start()
+                harness = ChaosHarness(wanted).start()
             try:
                 res = run_scenario(harness, name)
             except Exception as e:  # noqa: BLE001 - report it and heal the stack for the next scenario

@@ -1,4 +1,5 @@
-"""Draft replicas found by DNS: ``dns:///draft:50051`` stands for every address the name resolves to.
+"""Replicas found by DNS: ``dns:///draft:50051`` stands for every address the name resolves to (drafts and
+targets alike: orchestrator/replica_pool.py).
 
 gRPC's own resolver would give one channel to one of those addresses (pick_first): the pool would see one
 replica however many run. Here the name is resolved with getaddrinfo, each address becomes a replica of its
@@ -45,7 +46,7 @@ def parse_dns(address: str) -> DnsName:
     host, sep, port = rest.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{address!r}: a DNS draft address needs a host and a port, e.g. dns:///draft:50051")
+        raise ValueError(f"{address!r}: a DNS address needs a host and a port, e.g. dns:///draft:50051")
     return DnsName(host, int(port))
 
 
@@ -60,7 +61,7 @@ def resolve_getaddrinfo(host: str, port: int) -> list[str]:
 
 
 class Discovery:
-    """The replica addresses a list of draft addresses stands for; ``refresh()`` resolves the DNS names again.
+    """The replica addresses a list of addresses stands for; ``refresh()`` resolves the DNS names again.
 
     A name that fails to resolve keeps the addresses it had (a DNS hiccup must not drop healthy replicas; the
     health checks and breakers deal with replicas that are really gone). A resolver that answers with no
@@ -84,11 +85,11 @@ class Discovery:
             try:
                 found = list(self.resolve(spec.host, spec.port))
             except OSError as e:
-                log.warning("draft address did not resolve; keeping its replicas",
+                log.warning("address did not resolve; keeping its replicas",
                             extra={"address": str(spec), "error": str(e), "kept": len(self._resolved.get(spec, []))})
                 continue
             if found != self._resolved.get(spec):
-                log.info("draft replicas resolved", extra={"address": str(spec), "replicas": found})
+                log.info("replicas resolved", extra={"address": str(spec), "replicas": found})
             self._resolved[spec] = found
             for a in found:
                 self.authority[a] = spec.host

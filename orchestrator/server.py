@@ -18,7 +18,7 @@ from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.discovery import is_dns, parse_dns
 from orchestrator.draft_pool import DraftPool
-from orchestrator.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, model_mismatch
+from orchestrator.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
 from orchestrator.loop import (AcceptanceWindow, Backends, Generation, GenerationError, Measurements, StepTimer,
                                StreamControl, stats_message)
 from orchestrator.prompts import chat_prompt_ids
@@ -116,7 +116,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             window=AcceptanceWindow(), target_step=StepTimer(), active_sessions=self._active_count,
             # A target forward batches the sessions placed on its replica, not every session of this orchestrator.
             target_cost=(TargetCost(list(target_info.forward_ms), target_info.max_batch,
-                                    self.targets.sessions_per_replica)
+                                    lambda: self.targets.sessions_per_replica())
                          if len(target_info.forward_ms) >= 2 else None),
             acceptance_prior=AcceptancePrior(),
             draft_evidence=DraftEvidence(),  # what the drafters' token scores mean, learned across sessions
@@ -159,6 +159,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def target(self) -> TargetClient | None:
         """The first target replica's client (a one-target setup's only one)."""
         return self.targets.first
+
+    @target.setter
+    def target(self, client: TargetClient) -> None:
+        """Serve with this one target client from now on (a test swaps in an unreachable one)."""
+        old, self.targets = self.targets, TargetPool.of_client(client)
+        old.close()
 
     @property
     def backends(self) -> Backends:
@@ -440,26 +446,13 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
     from orchestrator.local_draft import build_local_client
     from specdec.models import load_tokenizer
 
-    target_addrs = [a.strip() for a in target_addr.split(",") if a.strip()]
-    if not target_addrs:
-        raise StartupError("--target: give at least one target address")
-    reference: dict = {}  # the pool's ModelInfo once known: a replica that joins later must serve the same model
-
-    def check_target(replica, info) -> None:
-        problem = model_mismatch(reference["info"], info) if "info" in reference else None
-        if problem:
-            raise IncompatibleTargets(f"target {replica.address} {problem}")
-
-    targets = TargetPool(target_addrs, breaker_open_s=breaker_open_s, on_info=check_target,
-                         resolve_interval_s=resolve_interval_s)
     try:
-        target_info = reference["info"] = targets.connect(startup_timeout_s)
+        targets, target_info = open_targets(target_addr, startup_timeout_s, breaker_open_s=breaker_open_s,
+                                            resolve_interval_s=resolve_interval_s)
     except TargetsUnreachable as e:
-        targets.close()
         raise StartupError(f"the target at {target_addr} did not answer within {startup_timeout_s:g} s "
                            f"({e}): start it first, or point --target at it") from e
-    except IncompatibleTargets as e:
-        targets.close()
+    except (IncompatibleTargets, ValueError) as e:
         raise StartupError(f"--target: {e}") from e
     try:
         tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)

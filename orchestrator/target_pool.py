@@ -26,7 +26,7 @@ import grpc
 
 from orchestrator.clients import TargetClient
 from orchestrator.discovery import Resolve
-from orchestrator.replica_pool import CLOSED, OPEN, CircuitBreaker, Replica, ReplicaPool
+from orchestrator.replica_pool import OPEN, CircuitBreaker, Replica, ReplicaPool
 from specdec.core.grpc_util import make_channel
 from specdec.v1 import common_pb2
 
@@ -143,7 +143,7 @@ class TargetPool(ReplicaPool):
             raise TargetsUnreachable(f"the target addresses resolved to nothing within {timeout_s:g} s")
         executor = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="target-info")
         futures = {executor.submit(r.client.info, timeout_s): r for r in self.replicas}
-        pending, answered, errors = set(futures), [], []
+        pending, answered, errors, first_at = set(futures), [], [], 0.0
         try:
             while pending:
                 end = deadline if not answered else min(deadline, first_at + others_s)
@@ -173,20 +173,23 @@ class TargetPool(ReplicaPool):
 
     # -- placement --------------------------------------------------------------------------------------
 
+    def _eligible(self, replica: TargetReplica) -> bool:
+        """Not refused, and its ModelInfo checked (in a pool that checks them)."""
+        return replica.refused is None and (replica.info is not None or self.on_info is None)
+
     def usable(self, replica: TargetReplica) -> bool:
-        """Not refused, its ModelInfo checked (a pool that checks them), its breaker not open."""
-        checked = replica.info is not None or self.on_info is None
-        return replica.refused is None and checked and replica.breaker.state != OPEN
+        return self._eligible(replica) and replica.breaker.state != OPEN
 
     def any_available(self) -> bool:
         return any(self.usable(r) for r in self.replicas)
 
-    def place(self, session_id: str, avoid: TargetReplica | None = None) -> TargetReplica | None:
-        """A replica for the session (see the module docstring), counted as holding it; None: none usable now."""
-        ranked = [r for r in self.ranking(session_id) if r is not avoid and self.usable(r)]
+    def place(self, session_id: str) -> TargetReplica | None:
+        """A replica for the session (see the module docstring), counted as holding it; None: none usable now. A
+        replica whose breaker's back-off is over takes the session as its probe."""
+        ranked = [r for r in self.ranking(session_id) if self._eligible(r)]
         with self._load_lock:
-            total = sum(r.sessions for r in ranked)
-            bound = math.ceil(LOAD_SLACK * (total + 1) / len(ranked)) if ranked else 0
+            live = [r for r in ranked if r.breaker.state != OPEN]
+            bound = math.ceil(LOAD_SLACK * (sum(r.sessions for r in live) + 1) / max(1, len(live)))
             for within_bound in (True, False):
                 for r in ranked:
                     if (not within_bound or r.sessions < bound) and r.breaker.allow():
@@ -218,6 +221,29 @@ class TargetPool(ReplicaPool):
     @property
     def first(self) -> TargetClient | None:
         return self.replicas[0].client if self.replicas else None
+
+
+def open_targets(addresses: str, startup_timeout_s: float, **pool_kwargs) -> tuple[TargetPool, common_pb2.ModelInfo]:
+    """The pool of the comma-separated target ``addresses`` and its ModelInfo (TargetPool.connect); a replica that
+    joins later must serve the same model (model_mismatch). Raises ValueError (no address), TargetsUnreachable or
+    IncompatibleTargets, the pool closed."""
+    listed = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not listed:
+        raise ValueError("give at least one target address")
+    reference: dict = {}
+
+    def check(replica, info) -> None:
+        problem = model_mismatch(reference["info"], info) if "info" in reference else None
+        if problem:
+            raise IncompatibleTargets(f"target {replica.address} {problem}")
+
+    pool = TargetPool(listed, on_info=check, **pool_kwargs)
+    try:
+        reference["info"] = pool.connect(startup_timeout_s)
+    except BaseException:
+        pool.close()
+        raise
+    return pool, reference["info"]
 
 
 class TargetSeat:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from orchestrator.replica_pool import OPEN, rank
@@ -250,3 +249,34 @@ def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_move
         for s in (server, a, b):
             if s is not None:
                 s.stop(0)
+
+
+def test_bad_target_addresses_are_refused_with_a_reason():
+    import argparse
+
+    from orchestrator import server
+    from orchestrator.target_pool import open_targets
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    with pytest.raises(SystemExit, match="--target: .*needs a host and a port"):
+        server.serve(p.parse_args(["--target", "127.0.0.1:50052,dns:///target"]))
+    with pytest.raises(ValueError, match="at least one target address"):
+        open_targets(" , ", 1.0)
+
+
+def test_a_target_opened_by_a_deadline_is_probed_again_after_its_back_off():
+    """A deadline opens the breaker 'health-blind' (a slow target passes health checks): only the back-off ends it,
+    and the next placement after it probes the replica."""
+    pool = quiet_pool(ADDRESSES[:1], breaker_open_s=0.2)
+    try:
+        seat = pool.seat("slow")
+        replica, _ = seat.current()
+        seat.failed(health_blind=True)
+        assert seat.current() == (None, False)
+        time.sleep(0.3)
+        assert seat.current() == (replica, False)  # the same replica again: not a move
+        replica.breaker.success()
+        assert replica.breaker.state == "closed"
+    finally:
+        pool.close()

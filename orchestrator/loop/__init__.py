@@ -3,7 +3,7 @@
     generation.py  a session's generation: the parts below put together; stats_message
     step.py        one step: propose -> verify -> accept, or fall back to target-only decoding
     draft_call.py  the draft side: replica, deadline, Propose, failures
-    target_call.py the target side: Verify and Decode within the target's grace period
+    target_call.py the target side: Verify and Decode on the session's target replica, moving on when it fails
     prefetch.py    pipelining: the next block drafted while the target verifies this one
     handover.py    a new session's prompt: parallel prefill, or the target's KV handed to the draft
     tree.py        tree speculation, the step's strategy in place of the chain

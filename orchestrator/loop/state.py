@@ -126,6 +126,8 @@ class LoopState:
     def target_replica(self):
         """The session's target replica, placed on first use; None while no replica is usable. A replica new to the
         session (it moved off one that failed) rebuilds the session's cache from the committed tokens."""
+        if self.target_seat is None:  # a unit test's state: no services
+            return None
         replica, moved = self.target_seat.current()
         if moved:
             self.rec.target_pos = 0
