@@ -13,6 +13,7 @@ from collections import Counter
 
 import grpc
 
+from orchestrator.cancel import cancel_stored, lease_wait_s
 from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.discovery import is_dns, parse_dns
@@ -391,22 +392,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             return opb.CancelSessionResponse(cancelled=True)
         if rec.status != "running":
             return opb.CancelSessionResponse(cancelled=False)
-        # Write the cancellation as a writer like any other: under the session's lease (a new fencing epoch).
         token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
-        if self.store.acquire_lease(rec.session_id, token, wait_s=0) is not None:
-            # Streaming on another orchestrator: it must write the cancellation itself (its lease fences us out).
-            self.store.request_cancel(rec.session_id)
-            return opb.CancelSessionResponse(cancelled=True)
-        try:
-            rec = self._load(request.session_id, rec.params.owner)  # as stored, now that we hold it
-            if rec.status != "running":
-                return opb.CancelSessionResponse(cancelled=False)
-            rec.status, rec.finish_reason = "cancelled", opb.FINISH_REASON_CANCELLED
-            self.store.update_state(rec, token)
-        finally:
-            self.store.release_lease(rec.session_id, token)
-        self._release_caches(rec.session_id)
-        return opb.CancelSessionResponse(cancelled=True)
+        cancelled, written = cancel_stored(self.store, rec.session_id, token, lambda: self._load(
+            request.session_id, rec.params.owner), lease_wait_s(self.store, context))
+        if written:
+            self._release_caches(rec.session_id)
+        return opb.CancelSessionResponse(cancelled=cancelled)
 
     @handle_errors
     def GetOutline(self, request, context):

@@ -1,27 +1,36 @@
-"""Multi-host: Redis, target, draft and orchestrator each on its own "host" (a network namespace).
+"""Multi-host: Redis, two targets, three drafts, two orchestrators and the load client, each on its own "host" (a
+network namespace, tests/netns.py).
 
 Topology (one run; every name carries this process's id, so parallel runs do not clash)::
 
-    sd-redis-PID  10.213.0.1  eth0 ─┐
-    sd-target-PID 10.213.0.2  eth0 ─┤ veth pairs to the bridge br0 in sd-net-PID
-    sd-draft-PID  10.213.0.3  eth0 ─┤ (the delay is put on the draft's eth0: draft -> rest)
-    sd-orch-PID   10.213.0.4  eth0 ─┘ (the load client runs here too)
+    sd-redis-PID    10.213.0.1  ─┐
+    sd-target0-PID  10.213.0.2  ─┤
+    sd-target1-PID  10.213.0.3  ─┤
+    sd-draft0-PID   10.213.0.4  ─┤ eth0 of each: veth pairs to the bridge br0 in sd-net-PID
+    sd-draft1-PID   10.213.0.5  ─┤ (the delay is put on the drafts' side: draft -> rest)
+    sd-draft2-PID   10.213.0.6  ─┤
+    sd-orch0-PID    10.213.0.7  ─┤ each orchestrator: --target t0,t1 --draft d0,d1,d2, the same --redis
+    sd-orch1-PID    10.213.0.8  ─┤
+    sd-client-PID   10.213.0.9  ─┘ the load client (tests/netns_agent.py): request i starts on orchestrator i % 2
 
-The 10.213.0.0/24 subnet exists only inside these namespaces: nothing is added to the root namespace
-(no veth end, no address, no route), so test traffic cannot leave them.
+Phases, each a bounded load (REQUESTS greedy requests, ignore_eos) whose tokens must equal the target-only
+reference computed at the start of the run (all requests at once, target-only):
 
-For each one-way delay in DELAYS_MS between the draft host and the rest, a bounded load (REQUESTS greedy
-requests of MAX_NEW tokens, ignore_eos) runs through SpecdecClient; acceptance, tokens/s and fallback
-steps are recorded. Then every process of the draft host is SIGKILLed and the same load must still
-complete with tokens identical to the target-only reference computed at the start of the run; the
-draft host is started again (speculation resumes), then cut off the network (link down: calls end on
-their deadline instead of a refused connection), and the tokens must again be identical. The
-per-delay table goes to <tmp>/multihost_results.json and is printed. Correctness is asserted, not speed.
+1. for each one-way delay in DELAYS_MS between the draft hosts and the rest: acceptance, tokens/s and fallback
+   steps are recorded (the per-delay table);
+2. host loss mid-generation: REQUESTS long generations stream through both orchestrators at once; every process
+   of the target0 host and of the orch0 host is SIGKILLed together. Sessions placed on target0 go on on target1;
+   the client resumes the sessions of the dead orchestrator through orch1 (which takes each session once the
+   dead one's lease, --session-lease-s, runs out);
+3. on the surviving orchestrator and target: every process of every draft host is SIGKILLed (target-only
+   decoding), the draft hosts are started again (speculation resumes), then cut off the network (link down:
+   draft calls end on their deadline instead of a refused connection).
 
-The delay is `tc qdisc ... netem delay Xms` on the draft's veth. Where the kernel has no netem qdisc
-(e.g. a VM kernel built without sch_netem), a userspace relay in the draft namespace delays the
-draft -> rest byte stream by X ms instead (same direction, same constant one-way delay); the results
-say which was used ("delay_method").
+The table goes to <tmp>/multihost_results.json and is printed. Correctness is asserted, not speed.
+
+The delay is `tc qdisc ... netem delay Xms` on each draft's veth. Where the kernel has no netem qdisc (e.g. a VM
+kernel built without sch_netem), a userspace relay on each draft host delays the draft -> rest byte stream by X ms
+instead (same direction, same constant one-way delay); the results say which was used ("delay_method").
 
 The services run with --insecure: the namespaces' private subnet is the trusted network (no TLS, no tokens).
 
@@ -30,257 +39,58 @@ Needs root with `ip` and `tc`; otherwise the test is skipped and says why.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import pathlib
-import re
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.netns import Agent, Net, Proc, clean_leftovers, kill_namespace_processes, ns_pids, sh, why_not_available
+
 TARGET = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
 DRAFT = "tiny:vocab=64,layers=1,hidden=64,seed=0,std=0.3"
-DELAYS_MS = (0, 1, 5, 20)
+DELAYS_MS = (0, 5, 20)
 REQUESTS = 6
-MAX_NEW = 32
+MAX_NEW = 32  # per request in the delay and draft phases
+LONG_NEW = 200  # per request in the host-loss phase (and the reference: the phases above compare its prefix)
+LEASE_S = 2.0  # --session-lease-s: how long a dead orchestrator's sessions stay fenced
 PROMPTS = [[1 + i, 5, 9, 12, 5 + 2 * i, 9, 3 + i] for i in range(REQUESTS)]
 
-SUBNET = "10.213.0"
-HOSTS = {"redis": 1, "target": 2, "draft": 3, "orch": 4}
+TARGETS, DRAFTS, ORCHESTRATORS = ("target0", "target1"), ("draft0", "draft1", "draft2"), ("orch0", "orch1")
+HOSTS = {"redis": 1, **{t: 2 + i for i, t in enumerate(TARGETS)}, **{d: 4 + i for i, d in enumerate(DRAFTS)},
+         **{o: 7 + i for i, o in enumerate(ORCHESTRATORS)}, "client": 9}
 PORTS = {"redis": 6379, "target": 50052, "draft": 50051, "orch": 50050}
 DRAFT_INNER_PORT = 50061  # relay mode: the draft service listens here on the draft host's loopback
-NS_RE = re.compile(r"^sd-(net|redis|target|draft|orch)-(\d+)$")
+SERVICE = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--insecure"]
 
 pytestmark = [pytest.mark.multihost, pytest.mark.serial]  # serial: timing-sensitive (scripts/test.sh)
 
 
-# --------------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def sh(*args: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
-    out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out
-
-
-def _why_not_available() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return f"needs root for ip netns / veth / tc (running as uid {os.geteuid()})"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    probe = f"sd-probe-{os.getpid()}"
-    out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if out.returncode != 0:
-        return f"cannot create a network namespace as root (`ip netns add` said: {out.stderr.strip()})"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def ns_pids(ns: str) -> list[int]:
-    out = sh("ip", "netns", "pids", ns, check=False)
-    return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
-
-
-def kill_namespace_processes(ns: str) -> list[int]:
-    pids = ns_pids(ns)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
-
-
-def delete_namespace(ns: str) -> None:
-    kill_namespace_processes(ns)
-    sh("ip", "netns", "del", ns, check=False)
-
-
-def clean_leftovers() -> list[str]:
-    """Delete namespaces of earlier runs whose pytest process is gone (a crashed or killed run)."""
-    removed = []
-    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        m = NS_RE.match(name)
-        if not m:
-            continue
-        owner = int(m.group(2))
-        if owner != os.getpid() and pathlib.Path(f"/proc/{owner}").exists():
-            continue  # a live parallel run owns it
-        delete_namespace(name)
-        removed.append(name)
-    return removed
-
-
-class Net:
-    """The namespaces, the bridge and the veths of one run."""
-
-    def __init__(self, tag: str):
-        self.tag = tag
-        self.hub = f"sd-net-{tag}"
-        self.ns = {role: f"sd-{role}-{tag}" for role in HOSTS}
-
-    def ip(self, role: str) -> str:
-        return f"{SUBNET}.{HOSTS[role]}"
-
-    def create(self) -> None:
-        sh("ip", "netns", "add", self.hub)
-        sh("ip", "-n", self.hub, "link", "set", "lo", "up")
-        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for role, ns in self.ns.items():
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            # Both ends are created inside the namespaces: nothing appears in the root namespace.
-            sh("ip", "-n", self.hub, "link", "add", f"h-{role}", "type", "veth", "peer", "name", "eth0",
-               "netns", ns)
-            sh("ip", "-n", self.hub, "link", "set", f"h-{role}", "master", "br0")
-            sh("ip", "-n", self.hub, "link", "set", f"h-{role}", "up")
-            sh("ip", "-n", ns, "addr", "add", f"{self.ip(role)}/24", "dev", "eth0")
-            sh("ip", "-n", ns, "link", "set", "eth0", "up")
-
-    def destroy(self) -> None:
-        for ns in [*self.ns.values(), self.hub]:
-            delete_namespace(ns)
-
-    def netem_available(self) -> tuple[bool, str]:
-        out = sh("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms",
-                 check=False)
-        if out.returncode == 0:
-            sh("ip", "netns", "exec", self.hub, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
-            return True, ""
-        return False, out.stderr.strip()
-
-    def set_netem(self, role: str, delay_ms: float) -> None:
-        sh("ip", "netns", "exec", self.ns[role], "tc", "qdisc", "replace", "dev", "eth0", "root", "netem", "delay",
-           f"{delay_ms}ms")
-
-
-class Proc:
-    """A process started inside a namespace; ready when it prints its ready line on stdout."""
-
-    def __init__(self, name: str, ns: str, argv: list[str], log_dir: pathlib.Path, ready_prefix: str | None):
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no collector in these namespaces
-        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE,
-                                     stderr=open(self.log_path, "ab"), env=env, cwd=ROOT, start_new_session=True)
-        self.ready_line: str | None = None
-        self._ready = threading.Event()
-        self._prefix = ready_prefix
-        if ready_prefix is None:
-            self._ready.set()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").strip()
-            if self._prefix and line.startswith(self._prefix) and not self._ready.is_set():
-                self.ready_line = line
-                self._ready.set()
-
-    def wait_ready(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._ready.wait(0.1):
-                return self.ready_line or ""
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-class Agent:
-    """A load client living in a namespace: one JSON request per line on stdin, one JSON reply per line."""
-
-    def __init__(self, ns: str, log_dir: pathlib.Path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(pathlib.Path(__file__)), "agent"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(log_dir / "agent.log", "ab"), env=env, cwd=ROOT, text=True,
-                                     start_new_session=True)
-        self.log_path = log_dir / "agent.log"
-
-    def call(self, timeout: float = 60.0, **request) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not box or not box[0]:
-            raise RuntimeError(f"agent gave no answer to {request.get('op')} within {timeout} s:\n"
-                               f"{self.log_path.read_text(errors='replace')[-3000:]}")
-        return json.loads(box[0])
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
-
-
-# --------------------------------------------------------------------------------------------------
-# the test
-# --------------------------------------------------------------------------------------------------
-
-
 @pytest.fixture
 def net():
-    reason = _why_not_available()
+    reason = why_not_available()
     if reason:
         print(f"SKIP multihost: {reason}", file=sys.stderr)
         pytest.skip(f"multi-host test needs root + iproute2 network namespaces: {reason}")
     clean_leftovers()
-    n = Net(str(os.getpid()))
+    n = Net(str(os.getpid()), HOSTS)
     try:
         n.create()
         yield n
     finally:
         n.destroy()
-        assert not any(ns in sh("ip", "netns", "list").stdout.split() for ns in [*n.ns.values(), n.hub])
+        assert not any(ns in sh("ip", "netns", "list").stdout.split() for ns in n.names())
 
 
-def _summary(results: list[dict]) -> dict:
+def _summary(results: list[dict], n: int) -> dict:
     tokens = sum(len(r["token_ids"]) for r in results)
     wall = sum(r["wall_s"] for r in results)
     stat = lambda k: sum(int(r["stats"].get(k, 0) or 0) for r in results)  # noqa: E731
     proposed, accepted, steps = stat("draft_tokens_proposed"), stat("draft_tokens_accepted"), stat("verify_steps")
     return {
         "requests": len(results),
-        "completed": sum(r["finish_reason"] == "length" and len(r["token_ids"]) == MAX_NEW for r in results),
+        "completed": sum(r["finish_reason"] == "length" and len(r["token_ids"]) == n for r in results),
         "tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
         "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
@@ -288,147 +98,181 @@ def _summary(results: list[dict]) -> dict:
         "verify_steps": steps,
         "fallback_steps": stat("fallback_steps"),
         "draft_failures": stat("draft_failures"),
+        "resumes": sum(r.get("resumes", 0) for r in results),
         "wall_s": round(wall, 2),
         "wall_s_each": [round(r["wall_s"], 2) for r in results],
     }
 
 
-def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
-    t_start = time.monotonic()
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    netem, netem_error = net.netem_available()
-    method = "netem" if netem else "relay"
-    py = sys.executable
-    from specdec.ops.redis_server import redis_server_binary
+class Cluster:
+    """The services of one run, started in their namespaces."""
 
-    procs: list[Proc] = []
-    agent = None
-    control = tmp_path / "relay_delay_ms"
-    control.write_text("0")
+    def __init__(self, net: Net, tmp_path):
+        self.net, self.tmp = net, tmp_path
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir()
+        netem, self.netem_error = net.netem_available()
+        self.method = "netem" if netem else "relay"
+        self.control = tmp_path / "relay_delay_ms"  # every relay reads the delay here
+        self.control.write_text("0")
+        self.procs: list[Proc] = []
+        self.agent: Agent | None = None
 
-    def start_draft_host() -> list[Proc]:
+    def address(self, role: str) -> str:
+        return f"{self.net.ip(role)}:{PORTS[role.rstrip('0123456789')]}"
+
+    def start(self, name: str, role: str, argv: list[str], ready: str | None = "SPECDEC_READY") -> Proc:
+        p = Proc(name, self.net.ns[role], argv, self.logs, ready)
+        self.procs.append(p)
+        return p
+
+    def serve(self, role: str, *args: str) -> Proc:
+        return self.start(role, role, [sys.executable, "-m", "launcher.cli", "serve", *args])
+
+    def start_draft_host(self, role: str) -> list[Proc]:
         started = []
-        if method == "relay":
+        if self.method == "relay":
             listen = f"127.0.0.1:{DRAFT_INNER_PORT}"
-            started.append(Proc("relay", net.ns["draft"],
-                                [py, str(pathlib.Path(__file__)), "relay", f"{net.ip('draft')}:{PORTS['draft']}",
-                                 listen, str(control)], logs, "RELAY_READY"))
+            started.append(self.start(f"relay-{role}", role, [sys.executable, "-m", "tests.netns_agent", "relay",
+                                                              self.address(role), listen, str(self.control)],
+                                      "RELAY_READY"))
         else:
-            listen = f"{net.ip('draft')}:{PORTS['draft']}"
-        started.append(Proc("draft", net.ns["draft"],
-                            [py, "-m", "launcher.cli", "serve", "draft", "--strategy", "model", "--model", DRAFT,
-                             "--listen", listen, "--device", "cpu", "--dtype", "float32", "--threads", "1",
-                             "--insecure"],
-                            logs, "SPECDEC_READY"))
-        procs.extend(started)
+            listen = self.address(role)
+        started.append(self.serve(role, "draft", "--strategy", "model", "--model", DRAFT, "--listen", listen,
+                                  *SERVICE))
         return started
 
+    def set_delay(self, delay_ms: float) -> None:
+        if self.method == "netem":
+            for d in DRAFTS:
+                self.net.set_netem(d, delay_ms)
+        else:
+            self.control.write_text(str(delay_ms))
+            time.sleep(0.2)  # the relays re-read their control file every 50 ms
+
+    def up(self) -> None:
+        from specdec.ops.redis_server import redis_server_binary
+
+        self.start("redis", "redis", [redis_server_binary(), "--port", str(PORTS["redis"]), "--bind",
+                                      self.net.ip("redis"), "--save", "", "--appendonly", "no", "--protected-mode",
+                                      "no", "--dir", str(self.tmp)], None)  # ready when the agent's PING answers
+        targets = [self.serve(t, "target", "--model", TARGET, "--listen", self.address(t), *SERVICE) for t in TARGETS]
+        drafts = [p for d in DRAFTS for p in self.start_draft_host(d)]
+        self.agent = Agent(self.net.ns["client"], self.logs)
+        self.redis_url = f"redis://{self.address('redis')}/0"
+        assert self.agent.call(op="wait_redis", url=self.redis_url, timeout_s=20)["ok"], "redis unreachable"
+        for p in targets + drafts:
+            p.wait_ready(180)
+        orchestrators = [self.serve(o, "orchestrator", "--listen", self.address(o),
+                                    "--target", ",".join(self.address(t) for t in TARGETS),
+                                    "--draft", ",".join(self.address(d) for d in DRAFTS),
+                                    "--redis", self.redis_url, "--draft-len", "4", "--session-lease-s", str(LEASE_S),
+                                    "--insecure") for o in ORCHESTRATORS]
+        for p in orchestrators:
+            p.wait_ready(180)
+        self.orchestrators = [self.address(o) for o in ORCHESTRATORS]
+
+    def load(self, speculation: bool | None, n: int = MAX_NEW, together: bool = False) -> list[dict]:
+        """REQUESTS generations, request i through orchestrator i % 2: one after another, or all at once."""
+        request = dict(addresses=self.orchestrators, prompts=PROMPTS, max_new_tokens=n, speculation=speculation,
+                       rpc_timeout_s=120)
+        if together:
+            self.agent.call(op="start", **request)
+            reply = self.agent.call(op="collect", timeout_s=200, timeout=240)
+        else:
+            reply = self.agent.call(op="generate", timeout=240, **request)
+        assert not reply.get("error"), f"generation failed: {reply['error']}\n{self.tails()}"
+        return reply["results"]
+
+    def log_events(self, name: str, msg: str, **fields) -> int:
+        """How many structured (JSON) log lines of process `name` have this message and these fields."""
+        count = 0
+        for line in next(p for p in self.procs if p.name == name).log_path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            count += event.get("msg") == msg and all(event.get(k) == v for k, v in fields.items())
+        return count
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {p.name}:\n{p.tail(12)}" for p in self.procs if p.name.startswith("orch"))
+
+    def kill_host(self, role: str) -> list[int]:
+        """SIGKILL every process of a host (its namespace and address stay: connections are refused)."""
+        pids = kill_namespace_processes(self.net.ns[role])
+        for p in self.procs:
+            if p.proc.args[3] == self.net.ns[role]:
+                p.proc.wait(10)
+        assert not ns_pids(self.net.ns[role])
+        return pids
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def test_multihost_delays_draft_loss_and_host_loss(net, tmp_path, capsys):
+    t_start = time.monotonic()
+    c = Cluster(net, tmp_path)
     try:
-        redis = Proc("redis", net.ns["redis"],
-                     [redis_server_binary(), "--port", str(PORTS["redis"]), "--bind", net.ip("redis"), "--save", "",
-                      "--appendonly", "no", "--protected-mode", "no", "--dir", str(tmp_path)],
-                     logs, None)  # ready when the agent's PING answers
-        procs.append(redis)
-        target = Proc("target", net.ns["target"],
-                      [py, "-m", "launcher.cli", "serve", "target", "--model", TARGET,
-                       "--listen", f"{net.ip('target')}:{PORTS['target']}", "--device", "cpu", "--dtype", "float32",
-                       "--threads", "1", "--insecure"], logs, "SPECDEC_READY")
-        procs.append(target)
-        draft_host = start_draft_host()
-        agent = Agent(net.ns["orch"], logs)
-        redis_url = f"redis://{net.ip('redis')}:{PORTS['redis']}/0"
-        assert agent.call(op="wait_redis", url=redis_url, timeout_s=20)["ok"], "redis unreachable across namespaces"
-        target.wait_ready(120)
-        for p in draft_host:
-            p.wait_ready(120)
-        orch = Proc("orchestrator", net.ns["orch"],
-                    [py, "-m", "launcher.cli", "serve", "orchestrator",
-                     "--listen", f"{net.ip('orch')}:{PORTS['orch']}",
-                     "--target", f"{net.ip('target')}:{PORTS['target']}",
-                     "--draft", f"{net.ip('draft')}:{PORTS['draft']}",
-                     "--redis", redis_url, "--draft-len", "4", "--insecure"], logs, "SPECDEC_READY")
-        procs.append(orch)
-        orch.wait_ready(120)
-        address = f"{net.ip('orch')}:{PORTS['orch']}"
-        draft_address = f"{net.ip('draft')}:{PORTS['draft']}"
+        c.up()
         startup_s = time.monotonic() - t_start
-
-        def load(speculation: bool | None) -> list[dict]:
-            reply = agent.call(op="generate", address=address, prompts=PROMPTS, max_new_tokens=MAX_NEW,
-                               speculation=speculation, rpc_timeout_s=120, timeout=150)
-            assert not reply.get("error"), f"generation failed: {reply['error']}\norchestrator log:\n{orch.tail()}"
-            return reply["results"]
-
-        reference = load(speculation=False)
-        ref_tokens = [r["token_ids"] for r in reference]
-        assert all(len(t) == MAX_NEW for t in ref_tokens), [len(t) for t in ref_tokens]
-        table = {"delay_method": method, "netem_error": netem_error or None, "startup_s": round(startup_s, 1),
+        reference = c.load(speculation=False, n=LONG_NEW, together=True)
+        ref_long = [r["token_ids"] for r in reference]
+        assert all(len(t) == LONG_NEW for t in ref_long), [len(t) for t in ref_long]
+        ref = [t[:MAX_NEW] for t in ref_long]  # greedy, ignore_eos: a shorter generation is a prefix
+        table = {"delay_method": c.method, "netem_error": c.netem_error or None, "startup_s": round(startup_s, 1),
                  "requests_per_phase": REQUESTS, "max_new_tokens": MAX_NEW, "draft_len": 4,
-                 "target_only": _summary(reference), "delays": []}
+                 "target_only": _summary(reference, LONG_NEW), "delays": []}
+
+        def phase(key: str, label: str, **extra) -> dict:
+            results = c.load(speculation=True)
+            row = {"phase": label, **extra, **_summary(results, MAX_NEW)}
+            row["identical_tokens"] = [r["token_ids"] for r in results] == ref
+            assert row["identical_tokens"], f"{label}: speculative tokens differ from target-only"
+            assert row["completed"] == REQUESTS, row
+            if key == "delays":
+                table["delays"].append(row)
+            else:
+                table[key] = row
+            return row
 
         for delay in DELAYS_MS:
-            if method == "netem":
-                net.set_netem("draft", delay)
-            else:
-                control.write_text(str(delay))
-                time.sleep(0.2)  # the relay re-reads its control file every 50 ms
-            rtt = agent.call(op="ping", address=draft_address, n=7)
-            results = load(speculation=True)
-            row = {"delay_ms": delay, "draft_health_rtt_ms": rtt.get("median_ms"), **_summary(results)}
-            row["identical_tokens"] = [r["token_ids"] for r in results] == ref_tokens
-            table["delays"].append(row)
-            assert row["identical_tokens"], f"delay {delay} ms: speculative tokens differ from target-only"
-            assert row["completed"] == REQUESTS, row
-        if method == "netem":
-            net.set_netem("draft", 0)
-        else:
-            control.write_text("0")
+            c.set_delay(delay)
+            rtt = c.agent.call(op="ping", address=c.address("draft0"), n=7)
+            phase("delays", f"delay {delay} ms", delay_ms=delay, draft_health_rtt_ms=rtt.get("median_ms"))
+        c.set_delay(0)
 
-        # The draft host dies: SIGKILL every process in its namespace (the namespace and its address stay,
-        # so connections are refused rather than timing out).
-        killed = kill_namespace_processes(net.ns["draft"])
-        for p in draft_host:
-            p.proc.wait(10)
-        assert not ns_pids(net.ns["draft"])
-        results = load(speculation=True)
-        row = {"phase": "draft host killed (SIGKILL)", "killed_pids": len(killed), **_summary(results)}
-        row["identical_tokens"] = [r["token_ids"] for r in results] == ref_tokens
-        table["draft_killed"] = row
-        assert row["identical_tokens"], "after the draft host died, tokens differ from the target-only reference"
-        assert row["completed"] == REQUESTS, row
-        assert row["verify_steps"] == 0 and row["fallback_steps"] > 0, row  # it really ran without the draft
+        # A target host and an orchestrator host die mid-generation; the rest runs on the survivors.
+        table["host_loss"] = host_loss(c, ref_long)
+        c.orchestrators = [c.address("orch1")]
 
-        # The draft host comes back: speculation should resume after the orchestrator's cool-down.
-        for p in start_draft_host():
-            p.wait_ready(120)
+        # Every draft host dies: SIGKILL every process in their namespaces.
+        killed = sum(len(c.kill_host(d)) for d in DRAFTS)
+        row = phase("draft_killed", "draft hosts killed (SIGKILL)", killed_pids=killed)
+        assert row["verify_steps"] == 0 and row["fallback_steps"] > 0, row  # it really ran without a draft
+        # They come back: speculation resumes after the orchestrators' cool-down.
+        for p in [p for d in DRAFTS for p in c.start_draft_host(d)]:
+            p.wait_ready(180)
         time.sleep(2.5)  # > the orchestrator's draft cool-down / breaker open time (1 s by default)
-        results = load(speculation=True)
-        row = {"phase": "draft host restarted", **_summary(results)}
-        row["identical_tokens"] = [r["token_ids"] for r in results] == ref_tokens
-        table["draft_restarted"] = row
-        assert row["identical_tokens"] and row["completed"] == REQUESTS, row
+        phase("draft_restarted", "draft hosts restarted")
+        # They drop off the network (links down; processes alive): packets are silently lost, so draft calls end
+        # on their deadline instead of a refused connection.
+        for d in DRAFTS:
+            c.net.link(d, up=False)
+        phase("draft_unreachable", "draft hosts unreachable (eth0 down)")
 
-        # The draft host drops off the network (its link goes down; processes stay alive): packets are
-        # silently lost, so draft calls end on their deadline instead of a refused connection.
-        sh("ip", "-n", net.ns["draft"], "link", "set", "eth0", "down")
-        results = load(speculation=True)
-        row = {"phase": "draft host unreachable (eth0 down)", **_summary(results)}
-        row["identical_tokens"] = [r["token_ids"] for r in results] == ref_tokens
-        table["draft_unreachable"] = row
-        assert row["identical_tokens"], "with the draft host unreachable, tokens differ from the reference"
-        assert row["completed"] == REQUESTS, row
         table["total_s"] = round(time.monotonic() - t_start, 1)
     except BaseException:
-        for p in procs:
+        for p in c.procs:
             if p.proc.poll() is not None and p.proc.returncode not in (0, -9):
                 print(f"--- {p.name} exited {p.proc.returncode}:\n{p.tail()}", file=sys.stderr)
         raise
     finally:
-        if agent is not None:
-            agent.stop()
-        for p in reversed(procs):
-            p.stop()
+        c.stop()
 
     out = tmp_path / "multihost_results.json"
     out.write_text(json.dumps(table, indent=2))
@@ -437,151 +281,57 @@ def test_multihost_delays_and_draft_host_loss(net, tmp_path, capsys):
         print(format_table(table))
 
 
+def host_loss(c: Cluster, ref_long: list[list[int]]) -> dict:
+    """Long generations through both orchestrators at once; a target host and an orchestrator host die together
+    mid-generation. Every generation must still complete with the reference's tokens."""
+    c.agent.call(op="start", addresses=c.orchestrators, prompts=PROMPTS, max_new_tokens=LONG_NEW, speculation=True,
+                 rpc_timeout_s=120)
+    deadline = time.monotonic() + 60
+    while True:  # every generation has started streaming (none can have ended yet: LONG_NEW is far off)
+        progress = c.agent.call(op="progress")["tokens"]
+        if min(progress) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert min(progress) >= 2, f"generations did not start streaming within 60 s: {progress}\n{c.tails()}"
+    t_kill = time.monotonic()
+    killed = {role: len(c.kill_host(role)) for role in ("target0", "orch0")}
+    reply = c.agent.call(op="collect", timeout_s=150, timeout=180)
+    assert not reply.get("error"), f"host loss: {reply['error']}\n{c.tails()}"
+    results = reply["results"]
+    row = {"phase": "target0 + orch0 hosts killed mid-generation", "killed_pids": killed,
+           "tokens_at_kill": progress, "recovery_s": round(time.monotonic() - t_kill, 1),
+           **_summary(results, LONG_NEW)}
+    row["identical_tokens"] = [r["token_ids"] for r in results] == ref_long
+    row["served_by"] = [r["served_by"] for r in results]
+    assert row["identical_tokens"], "after the host loss, tokens differ from the target-only reference"
+    assert row["completed"] == REQUESTS, row
+    # The dead orchestrator's sessions that were still streaming went on through the other one.
+    dead, live = c.orchestrators
+    for i, r in enumerate(results):
+        if r["served_by"][0] == dead and progress[i] < LONG_NEW:
+            assert r["resumes"] >= 1 and r["served_by"][-1] == live, (i, r["served_by"], r["errors"])
+    assert row["resumes"] >= 1, row
+    # Sessions on the dead target went on on the other one (the orchestrator logs each move).
+    row["target_moves"] = c.log_events("orch1", "session moved to another target", **{"from": c.address("target0")})
+    assert row["target_moves"] >= 1, f"no session moved off the killed target: {row}\n{c.tails()}"
+    return row
+
+
 def format_table(table: dict) -> str:
     cols = ["delay_ms", "draft_health_rtt_ms", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
-            "verify_steps", "fallback_steps", "draft_failures", "completed", "identical_tokens"]
+            "verify_steps", "fallback_steps", "draft_failures", "resumes", "completed", "identical_tokens"]
     rows = [cols] + [[str(r.get(c)) for c in cols] for r in table["delays"]]
-    for key in ("target_only", "draft_killed", "draft_restarted", "draft_unreachable"):
+    for key in ("target_only", "draft_killed", "draft_restarted", "draft_unreachable", "host_loss"):
         if key in table:
             r = table[key]
             rows.append([key] + [str(r.get(c, "")) for c in cols[1:]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    if "host_loss" in table:
+        lines.append(f"host loss: tokens at the kill {table['host_loss']['tokens_at_kill']}, recovery "
+                     f"{table['host_loss']['recovery_s']} s, {table['host_loss']['target_moves']} sessions moved "
+                     f"off the dead target, served by {table['host_loss']['served_by']}")
     lines.append(f"delay method: {table['delay_method']}"
                  + (f" (netem unavailable: {table['netem_error']})" if table.get("netem_error") else "")
                  + f"; startup {table['startup_s']} s; total {table.get('total_s')} s")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------
-# helper processes (run inside the namespaces): `python tests/test_multihost.py agent|relay ...`
-# --------------------------------------------------------------------------------------------------
-
-
-def _agent_main() -> int:
-    """Load client in the orchestrator's namespace (the test process stays in the root namespace)."""
-    import grpc
-
-    sys.path.insert(0, str(ROOT))
-    from specdec.client import SpecdecClient
-
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            if req["op"] == "wait_redis":
-                import redis
-
-                deadline, ok = time.monotonic() + req["timeout_s"], False
-                while time.monotonic() < deadline and not ok:
-                    try:
-                        ok = bool(redis.Redis.from_url(req["url"], socket_timeout=1).ping())
-                    except Exception:  # noqa: BLE001
-                        time.sleep(0.1)
-                reply = {"ok": ok}
-            elif req["op"] == "ping":
-                from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-                channel = grpc.insecure_channel(req["address"])
-                stub = health_pb2_grpc.HealthStub(channel)
-                stub.Check(health_pb2.HealthCheckRequest(), timeout=5, wait_for_ready=True)  # connect first
-                times = []
-                for _ in range(req["n"]):
-                    t0 = time.perf_counter()
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                channel.close()
-                reply = {"median_ms": round(statistics.median(times), 2)}
-            elif req["op"] == "generate":
-                results = []
-                with SpecdecClient(req["address"], timeout_s=req["rpc_timeout_s"]) as client:
-                    client.wait_ready(30)
-                    for prompt in req["prompts"]:
-                        r = client.generate(prompt, max_new_tokens=req["max_new_tokens"], ignore_eos=True,
-                                            temperature=0.0, speculation=req["speculation"])
-                        results.append({"token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                                        "stats": r.stats, "wall_s": r.wall_s})
-                reply = {"results": results}
-            else:
-                reply = {"error": f"unknown op {req['op']}"}
-        except grpc.RpcError as e:
-            reply = {"error": f"{e.code().name}: {e.details()}"}
-        except Exception as e:  # noqa: BLE001
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(reply, default=str), flush=True)
-    return 0
-
-
-def _relay_main(listen: str, upstream: str, control: str) -> int:
-    """TCP relay on the draft host: bytes from the draft to the rest are held for the current delay
-    (read from the control file, in ms), in order, like netem on the draft's egress."""
-    lhost, lport = listen.rsplit(":", 1)
-    uhost, uport = upstream.rsplit(":", 1)
-    delay = [0.0]
-
-    async def poll_control():
-        while True:
-            try:
-                delay[0] = float(pathlib.Path(control).read_text().strip() or 0) / 1e3
-            except (OSError, ValueError):
-                pass
-            await asyncio.sleep(0.05)
-
-    async def pump(reader, writer, delayed: bool):
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def sender():
-            try:
-                while True:
-                    due, data = await queue.get()
-                    if data is None:
-                        break
-                    wait = due - loop.time()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
-
-        task = asyncio.create_task(sender())
-        try:
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                queue.put_nowait((loop.time() + (delay[0] if delayed else 0.0), data))
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            queue.put_nowait((0.0, None))
-            await task
-
-    async def handle(client_reader, client_writer):
-        try:
-            up_reader, up_writer = await asyncio.open_connection(uhost, int(uport))
-        except OSError:
-            client_writer.close()
-            return
-        await asyncio.gather(pump(client_reader, up_writer, delayed=False),
-                             pump(up_reader, client_writer, delayed=True))
-
-    async def main():
-        asyncio.create_task(poll_control())
-        server = await asyncio.start_server(handle, lhost, int(lport))
-        print(f"RELAY_READY {listen} -> {upstream}", flush=True)
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(main())
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["agent"]:
-        raise SystemExit(_agent_main())
-    if sys.argv[1:2] == ["relay"]:
-        raise SystemExit(_relay_main(*sys.argv[2:5]))
-    raise SystemExit(f"usage: {sys.argv[0]} agent | relay LISTEN UPSTREAM CONTROL_FILE")
