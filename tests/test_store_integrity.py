@@ -265,8 +265,9 @@ def test_cancel_of_a_session_nobody_streams_writes_under_its_own_lease(redis_url
         with pytest.raises(LeaseLost):
             store.commit(back, [9], lease="A")  # the dead stream's late write
 
-        _new(store, "cancel-held")  # "A" holds its lease: it is asked to stop, and writes the cancellation itself
-        assert stack.client.cancel("cancel-held") is True
+        # "A" holds its lease for longer than the caller waits: it is asked to stop, and writes the cancellation itself
+        _new(store, "cancel-held")
+        assert stack.client.cancel("cancel-held", timeout_s=2.0) is True
         assert store.client.hget(KEY_PREFIX + "cancel-held", "cancel_requested") == b"1"
         assert store.load("cancel-held").status == "running"
     finally:
