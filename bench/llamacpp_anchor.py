@@ -41,14 +41,23 @@ class DirectLlamaCpp:
         self.batch = llama_cpp.llama_batch_init(512, 0, 1)
 
     def _feed(self, tokens: list[int], start: int) -> int:
+        return self.feed_rows(tokens, start, rows=1)[-1]
+
+    def feed_rows(self, tokens: list[int], start: int, rows: int) -> list[int]:
+        """Decode tokens at positions start.. in one llama_decode; the argmax of the last `rows` positions."""
         batch = self.batch
         for j, t in enumerate(tokens):
             batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0] = t, start + j, 1, 0
-            batch.logits[j] = j == len(tokens) - 1
+            batch.logits[j] = j >= len(tokens) - rows
         batch.n_tokens = len(tokens)
         if self.ll.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
-        return int(np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).argmax())
+        return [int(np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i - rows), shape=(self.n_vocab,))
+                    .argmax()) for i in range(rows)]
+
+    def crop(self, length: int) -> None:
+        """Drop the cached positions from `length` on (rejected draft tokens)."""
+        self.ll.llama_memory_seq_rm(self.mem, 0, length, -1)
 
     def generate(self, ids: list[int], n: int) -> tuple[int, float]:
         """(tokens, wall seconds) for n new tokens after ids."""
@@ -74,7 +83,7 @@ def measure(gguf: str, prompts: list[list[int]], max_new: int, threads: int, dra
     from launcher.stack import LocalStack, StackConfig
 
     cfg = StackConfig(target_model="smollm2", draft_strategy="local-ngram", threads=threads, draft_len=draft_len,
-                      target_args=["--engine", "llamacpp", "--profile-forward", "off"])
+                      engine="llamacpp", draft_replicas=0, target_args=["--profile-forward", "off"])
     stack = LocalStack(cfg).start()
     direct = DirectLlamaCpp(gguf, threads)
     client = SpecdecClient(stack.address)

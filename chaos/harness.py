@@ -51,6 +51,7 @@ class ChaosOptions:
     draft_model: str = TINY_DRAFT
     draft_replicas: int = 2
     draft_len: int = 4
+    engine: str = "torch"              # the target's engine (llamacpp needs a GGUF target such as smollm2)
     threads: int = 1
     device: str = "cpu"
     dtype: str = "float32"
@@ -133,7 +134,7 @@ class ChaosHarness:
                 "--fallback-chunk", str(o.fallback_chunk)]
         cfg = StackConfig(target_model=o.target_model, draft_strategy=o.draft_strategy, draft_model=o.draft_model,
                           draft_replicas=o.draft_replicas, draft_len=o.draft_len, adaptive_draft_len=False,
-                          store="redis", threads=o.threads,
+                          store="redis", engine=o.engine, threads=o.threads,
                           device=o.device, dtype=o.dtype, orchestrator_args=orch,
                           draft_args=["--inject-latency-ms", str(o.slow_latency_ms)])
         self.stack = LocalStack(cfg, o.log_dir).start(timeout=300)

@@ -7,6 +7,7 @@ These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-p
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -285,3 +286,74 @@ def test_serve_target_arguments_build_the_chosen_engine():
         assert engine.cache_bytes() == 3 * 3 * engine.kv_bytes_per_token
     finally:
         engine.close()
+
+
+def test_run_and_up_pick_the_llamacpp_engine_and_a_drafter_that_needs_no_target_kv(tmp_path):
+    """`specdec run|up` default to --engine auto: llama.cpp for the GGUF where it is installed, with the n-gram
+    drafter in the orchestrator (the int8 self-draft's prompt KV comes only from the torch engine); the library's
+    StackConfig keeps torch and its int8 draft."""
+    from launcher import cli
+    from launcher.stack import LocalStack, StackConfig
+    from specdec.core.grpc_util import StartupError
+    from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+    from specdec.ops.cpu_affinity import allowed_cpus
+
+    for command in ("run", "up"):
+        assert cli._stack_config(cli.build_parser().parse_args([command])).engine == "auto"
+    if MISSING:
+        pytest.fail(MISSING)
+    auto = LocalStack(StackConfig(engine="auto"), str(tmp_path))
+    assert (auto.engine, auto.draft_strategy) == ("llamacpp", LOCAL_NGRAM)
+    # no draft process: the target computes on the cores a draft replica would have had
+    assert auto.target_threads == min(len(allowed_cpus()), 2)
+    library = LocalStack(StackConfig(), str(tmp_path))
+    assert (library.engine, library.target_threads) == ("torch", 1)
+    assert library.draft_strategy != LOCAL_NGRAM
+    forced = LocalStack(StackConfig(engine="llamacpp", draft_strategy=QUANTIZED), str(tmp_path))
+    assert (forced.engine, forced.draft_strategy, forced.target_threads) == ("llamacpp", QUANTIZED, 1)
+    tiny = LocalStack(StackConfig(engine="auto", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))
+    assert tiny.engine == "torch"  # not a GGUF: torch, as before
+    with pytest.raises(StartupError, match="--engine llamacpp cannot serve this target: .* is not a GGUF"):
+        LocalStack(StackConfig(engine="llamacpp", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))
+
+
+def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path):
+    """`specdec run --engine llamacpp` serves the GGUF on llama.cpp; its speculative output equals its own
+    target-only output (greedy)."""
+    import subprocess
+    import sys
+
+    out = {}
+    for mode in ("speculative", "target-only"):
+        cmd = [sys.executable, "-m", "launcher.cli", "run", "--engine", "llamacpp", "--prompt",
+               "List the numbers from one to twelve, separated by commas.", "--max-new-tokens", "40",
+               "--mode", mode, "--json", "--store", "memory", "--log-dir", str(tmp_path / mode)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out[mode]["engine"] == "llamacpp"
+        assert "target engine: llamacpp" in (tmp_path / mode / "target.log").read_text()
+    assert out["speculative"]["draft_strategy"] == "local-ngram"
+    assert out["speculative"]["token_ids"] == out["target-only"]["token_ids"]
+    assert len(out["speculative"]["token_ids"]) > 0
+
+
+@pytest.mark.serial  # times forwards
+def test_the_engines_forward_profile_drives_the_goodput_draft_length(engine):
+    """The profile the llama.cpp engine reports in GetInfo is what the orchestrator's goodput policy chooses k
+    from: it grows with the block (llama.cpp's CPU kernels are compute-bound), so a poorly accepted drafter gets
+    k = 0 (target-only) and a nearly always accepted one still drafts."""
+    from orchestrator.draft_length import GoodputDraftLength, TargetCost
+
+    profile = engine.profile_forward_ms(5)
+    assert len(profile) == 5 and profile[0] > 0
+    assert all(b >= a for a, b in zip(profile, profile[1:])) and profile[4] > 1.5 * profile[0], profile
+
+    def chosen_k(accepted_of_4: int) -> int:
+        policy = GoodputDraftLength(4, TargetCost(profile))
+        for _ in range(200):
+            policy.update(4, accepted_of_4)
+        return policy.k
+
+    assert chosen_k(0) == 0  # no k pays: target-only (probing again every few steps)
+    assert chosen_k(4) >= 1, profile  # nearly every token accepted: a block still beats its cost
