@@ -29,31 +29,39 @@ from launcher.stack import StackConfig
 from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
 
 
-def configurations(cores: int) -> dict[str, tuple[StackConfig, bool]]:
-    """name -> (the stack as `specdec run` starts it, speculation on)."""
+def configurations(cores: int, also_one_thread: bool = False) -> dict[str, tuple[StackConfig, bool]]:
+    """name -> (the stack as `specdec run` starts it, speculation on). also_one_thread: the llama.cpp target-only
+    and n-gram rows again with the target on one thread."""
     run = dict(pipeline="auto", pin_cpus="auto", adaptive_draft_len=True)
-    llama = ["--engine", "llamacpp"]
-    whole = StackConfig(draft_strategy=LOCAL_NGRAM, threads=cores, target_args=llama, **run)
-    return {
-        "torch-int8": (StackConfig(draft_strategy=QUANTIZED, target_args=["--engine", "torch"], **run), True),
+    whole = StackConfig(draft_strategy=LOCAL_NGRAM, engine="llamacpp", threads=cores, draft_replicas=0, **run)
+    out = {
+        "torch-int8": (StackConfig(draft_strategy=QUANTIZED, engine="torch", **run), True),
         "llamacpp-target-only": (whole, False),
         "llamacpp-local-ngram": (whole, True),
-        "llamacpp-int8": (StackConfig(draft_strategy=QUANTIZED, threads=1, target_args=llama, **run), True),
+        "llamacpp-int8": (StackConfig(draft_strategy=QUANTIZED, engine="llamacpp", threads=1, **run), True),
     }
+    if also_one_thread and cores > 1:
+        one = StackConfig(draft_strategy=LOCAL_NGRAM, engine="llamacpp", threads=1, draft_replicas=0, **run)
+        out.update({"llamacpp-target-only-t1": (one, False), "llamacpp-local-ngram-t1": (one, True)})
+    return out
 
 
-def measure(prompts: list[list[int]], max_new: int, rounds: int, cores: int, only: list[str] | None = None) -> dict:
+def measure(prompts: list[list[int]], max_new: int, rounds: int, cores: int, only: list[str] | None = None,
+            also_one_thread: bool = False) -> dict:
     from bench.llamacpp_anchor import DirectLlamaCpp
     from launcher.stack import LocalStack
     from specdec.client import SpecdecClient
     from specdec.models import smollm2_gguf_path
 
-    cfgs = {k: v for k, v in configurations(cores).items() if not only or k in only}
+    cfgs = {k: v for k, v in configurations(cores, also_one_thread).items() if not only or k in only}
     stacks: dict[int, LocalStack] = {}
     clients: dict[int, SpecdecClient] = {}
     runs = {}
-    direct = DirectLlamaCpp(str(smollm2_gguf_path()), cores)
-    runs["llamacpp-direct"] = lambda ids, n: (None, *direct.generate(ids, n), {})
+    directs = {"llamacpp-direct": DirectLlamaCpp(str(smollm2_gguf_path()), cores)}
+    if also_one_thread and cores > 1:
+        directs["llamacpp-direct-t1"] = DirectLlamaCpp(str(smollm2_gguf_path()), 1)
+    for name, direct in directs.items():
+        runs[name] = lambda ids, n, direct=direct: (None, *direct.generate(ids, n), {})
     try:
         for name, (cfg, speculation) in cfgs.items():
             if id(cfg) not in stacks:
@@ -92,7 +100,8 @@ def measure(prompts: list[list[int]], max_new: int, rounds: int, cores: int, onl
             c.close()
         for s in stacks.values():
             s.stop()
-        direct.close()
+        for direct in directs.values():
+            direct.close()
     base = totals["llamacpp-direct"]["tokens"] / totals["llamacpp-direct"]["wall_s"]
     reference = outputs.get("llamacpp-target-only")
     rows = []
@@ -101,8 +110,8 @@ def measure(prompts: list[list[int]], max_new: int, rounds: int, cores: int, onl
         row = {"name": name, "tokens_per_s": round(tps, 2), "vs_llamacpp_direct": round(tps / base, 3),
                "acceptance_rate": round(t["accepted"] / t["proposed"], 3) if t["proposed"] else None,
                "verify_steps": t["verify_steps"], "decode_steps": t["decode_steps"], "draft_tokens": t["proposed"]}
-        if reference is not None and name.startswith("llamacpp-") and name not in ("llamacpp-direct",
-                                                                                   "llamacpp-target-only"):
+        if reference is not None and name.startswith("llamacpp-") and not name.startswith(("llamacpp-direct",
+                                                                                              "llamacpp-target-only")):
             row["identical_to_target_only"] = outputs[name] == reference
         rows.append(row)
     return {"rows": rows}
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="llama.cpp threads where no draft runs")
     p.add_argument("--only", default="", help="comma-separated rows (default all)")
+    p.add_argument("--one-thread-rows", action="store_true",
+                   help="also the llama.cpp target-only and n-gram rows with the target on one thread")
     p.add_argument("--quantize", action=argparse.BooleanOptionalAction, default=True,
                    help="also time lower-bit GGUF copies (llama_model_quantize) as same-weights drafts")
     p.add_argument("--json", action="store_true")
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"machine": cpu_model(), "cores": args.cores, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "rounds": args.rounds, "load_average_begin": os.getloadavg()[0]}
     res.update(measure(prompts, args.max_new_tokens, args.rounds, args.cores,
-                       [x for x in args.only.split(",") if x] or None))
+                       [x for x in args.only.split(",") if x] or None, args.one_thread_rows))
     if args.quantize:
         res["quantized_draft_cost"] = quantized_step_cost(1)
     res.update(load_average_end=os.getloadavg()[0], total_s=round(time.time() - t0, 1))
