@@ -48,7 +48,7 @@ def configurations(cores: int, also_one_thread: bool = False) -> dict[str, tuple
 
 def measure(prompts: list[list[int]], max_new: int, rounds: int, cores: int, only: list[str] | None = None,
             also_one_thread: bool = False) -> dict:
-    from bench.llamacpp_anchor import DirectLlamaCpp
+    from bench.llamacpp_rows import DirectLlamaCpp
     from launcher.stack import LocalStack
     from specdec.client import SpecdecClient
     from specdec.models import smollm2_gguf_path
@@ -124,7 +124,7 @@ def quantized_step_cost(threads: int, types: tuple[str, ...] = ("Q4_0", "Q2_K"),
 
     import llama_cpp
 
-    from bench.llamacpp_anchor import DirectLlamaCpp
+    from bench.llamacpp_rows import DirectLlamaCpp
     from specdec.models import smollm2_gguf_path
 
     src = str(smollm2_gguf_path())

@@ -11,10 +11,67 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from bench import analysis
 from bench.configs import Config, Sample
 
 PLAIN, PROMPT_LOOKUP = "llamacpp-plain", "llamacpp-prompt-lookup"
+
+
+class DirectLlamaCpp:
+    """Plain llama.cpp: one context; a prompt prefilled in one batch, then single-token decodes, each the argmax
+    of its logits."""
+
+    def __init__(self, gguf: str, threads: int):
+        import llama_cpp
+        from llama_cpp import _logger
+
+        _logger.set_verbose(False)
+        llama_cpp.llama_backend_init()
+        self.ll = llama_cpp
+        self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 4096, 512, 512
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+
+    def _feed(self, tokens: list[int], start: int) -> int:
+        return self.feed_rows(tokens, start, rows=1)[-1]
+
+    def feed_rows(self, tokens: list[int], start: int, rows: int) -> list[int]:
+        """Decode tokens at positions start.. in one llama_decode; the argmax of the last `rows` positions."""
+        batch = self.batch
+        for j, t in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0] = t, start + j, 1, 0
+            batch.logits[j] = j >= len(tokens) - rows
+        batch.n_tokens = len(tokens)
+        if self.ll.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i - rows), shape=(self.n_vocab,))
+                    .argmax()) for i in range(rows)]
+
+    def crop(self, length: int) -> None:
+        """Drop the cached positions from `length` on (rejected draft tokens)."""
+        self.ll.llama_memory_seq_rm(self.mem, 0, length, -1)
+
+    def generate(self, ids: list[int], n: int) -> tuple[int, float]:
+        """(tokens, wall seconds) for n new tokens after ids."""
+        t0 = time.perf_counter()
+        self.ll.llama_memory_clear(self.mem, True)
+        token = self._feed(ids, 0)
+        for i in range(n - 1):
+            token = self._feed([token], len(ids) + i)
+        return n, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.ll.llama_batch_free(self.batch)
+        self.ll.llama_free(self.ctx)
+        self.ll.llama_model_free(self.model)
 
 
 def unavailable_reason(target_model: str) -> str | None:
@@ -41,8 +98,6 @@ def headline_cores(head: dict | None, threads: int, cpus: int) -> int:
 
 
 def _plain_run(gguf: str, threads: int, eos: set[int]):
-    from bench.llamacpp_anchor import DirectLlamaCpp
-
     model = DirectLlamaCpp(gguf, threads)
 
     def run(ids: list[int], max_new: int) -> Sample:
@@ -64,10 +119,7 @@ def _prompt_lookup_run(gguf: str, threads: int, eos: set[int], num_pred_tokens: 
     in one llama_decode and accepted greedily. (llama-cpp-python 0.3.36's high-level `Llama.generate`, with or without
     its `draft_model`, repeats one token for this GGUF at temperature 0, so the loop is this one, on the low-level API
     as the plain rows.)"""
-    import numpy as np
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    from bench.llamacpp_anchor import DirectLlamaCpp
 
     model = DirectLlamaCpp(gguf, threads)
     drafter = LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)

@@ -327,8 +327,10 @@ def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path):
     for mode in ("speculative", "target-only"):
         cmd = [sys.executable, "-m", "launcher.cli", "run", "--engine", "llamacpp", "--prompt",
                "List the numbers from one to twelve, separated by commas.", "--max-new-tokens", "40",
-               "--mode", mode, "--json", "--store", "memory", "--log-dir", str(tmp_path / mode)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+               "--mode", mode, "--json", "--store", "memory", "--log-dir", str(tmp_path / mode),
+               # one llama.cpp thread: on a test host shared with other jobs, 2 threads wait at llama.cpp's barriers
+               "--threads", "1", "--draft-replicas", "0"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out[mode]["engine"] == "llamacpp"
