@@ -317,27 +317,29 @@ def test_run_and_up_pick_the_llamacpp_engine_and_a_drafter_that_needs_no_target_
         LocalStack(StackConfig(engine="llamacpp", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))
 
 
-def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path):
-    """`specdec run --engine llamacpp` serves the GGUF on llama.cpp; its speculative output equals its own
-    target-only output (greedy)."""
+def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path, engine):
+    """`specdec run --engine llamacpp` serves the GGUF on llama.cpp; its speculative output equals the engine's
+    own target-only decoding (greedy)."""
     import subprocess
     import sys
 
-    out = {}
-    for mode in ("speculative", "target-only"):
-        cmd = [sys.executable, "-m", "launcher.cli", "run", "--engine", "llamacpp", "--prompt",
-               "List the numbers from one to twelve, separated by commas.", "--max-new-tokens", "40",
-               "--mode", mode, "--json", "--store", "memory", "--log-dir", str(tmp_path / mode),
-               # one llama.cpp thread: on a test host shared with other jobs, 2 threads wait at llama.cpp's barriers
-               "--threads", "1", "--draft-replicas", "0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert out[mode]["engine"] == "llamacpp"
-        assert "target engine: llamacpp" in (tmp_path / mode / "target.log").read_text()
-    assert out["speculative"]["draft_strategy"] == "local-ngram"
-    assert out["speculative"]["token_ids"] == out["target-only"]["token_ids"]
-    assert len(out["speculative"]["token_ids"]) > 0
+    prompt = "List the numbers from one to twelve, separated by commas."
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--engine", "llamacpp", "--prompt", prompt,
+           "--max-new-tokens", "40", "--json", "--store", "memory", "--log-dir", str(tmp_path),
+           # one llama.cpp thread: on a test host shared with other jobs, 2 threads wait at llama.cpp's barriers
+           "--threads", "1", "--draft-replicas", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["engine"], out["draft_strategy"]) == ("llamacpp", "local-ngram")
+    assert "target engine: llamacpp" in (tmp_path / "target.log").read_text()
+    ids = prompt_ids(engine, prompt)
+    engine.prefill("run-reference", 0, ids)
+    try:
+        reference = engine.decode("run-reference", len(ids), [], 40, GREEDY, 0, 0)[0]
+    finally:
+        engine.release("run-reference")
+    assert 0 < len(out["token_ids"]) and out["token_ids"] == reference[: len(out["token_ids"])]
 
 
 @pytest.mark.serial  # times forwards
