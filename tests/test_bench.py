@@ -312,21 +312,25 @@ def test_headline_vs_llamacpp_takes_plain_llamacpp_at_the_headlines_cores():
     from bench.llamacpp_rows import core_counts, headline_vs_llamacpp
 
     assert core_counts(1, 2) == [1, 2] and core_counts(2, 8) == [1, 2, 4] and core_counts(4, 4) == [1, 4]
-    plain = {f"llamacpp-plain-t{t}": {"name": f"llamacpp-plain-t{t}", "available": True, "tokens_per_s": 20.0 * t}
-             for t in (1, 2)}
+    plain = {t: {"name": f"llamacpp-plain-t{t}", "kind": "llamacpp-plain", "available": True,
+                 "tokens_per_s": 20.0 * t, "settings": {"threads": t}} for t in (1, 2, 4)}
 
     def res(flags):
         head = {"name": "specdec-pipe-auto-adaptive", "orchestrator_flags": flags, "tokens_per_s": 30.0}
         return {"headline_config": head["name"], "tokens_per_s": 30.0, "configs": [head, *plain.values()]}
 
-    with_draft = headline_vs_llamacpp(res(["--pipeline", "auto"]), threads=1, cpus=2)
+    with_draft = headline_vs_llamacpp(res(["--pipeline", "auto"]), threads=1, cpus=2)  # target + draft process
     assert with_draft["llamacpp_cores"] == 2 and with_draft["llamacpp_tokens_per_s"] == 40.0
-    assert close(with_draft["speedup_vs_llamacpp"], 30.0 / 40.0)
-    local = headline_vs_llamacpp(res(["--draft", "local:ngram"]), threads=1, cpus=2)
+    assert with_draft["llamacpp_threads"] == 2 and close(with_draft["speedup_vs_llamacpp"], 30.0 / 40.0)
+    local = headline_vs_llamacpp(res(["--draft", "local:ngram"]), threads=1, cpus=2)  # no draft process
     assert local["llamacpp_cores"] == 1 and close(local["speedup_vs_llamacpp"], 30.0 / 20.0)
     capped = headline_vs_llamacpp(res([]), threads=2, cpus=2)  # never more threads than the machine has
-    assert capped["llamacpp_cores"] == 2
-    plain["llamacpp-plain-t2"].update(available=False, tokens_per_s=None, reason="failed during the run: X")
+    assert capped["llamacpp_cores"] == 2 and capped["llamacpp_threads"] == 2
+    plain[2]["tokens_per_s"] = 5.0  # 2 threads slower than one (a busy host): the anchor is the faster row
+    slow = headline_vs_llamacpp(res([]), threads=1, cpus=2)
+    assert (slow["llamacpp_threads"], slow["llamacpp_tokens_per_s"]) == (1, 20.0)
+    for t in (1, 2):
+        plain[t].update(available=False, tokens_per_s=None, reason="failed during the run: X")
     failed = headline_vs_llamacpp(res([]), threads=1, cpus=2)
     assert failed["llamacpp_tokens_per_s"] is None and failed["speedup_vs_llamacpp"] is None
     assert failed["llamacpp_reason"] == "failed during the run: X"
