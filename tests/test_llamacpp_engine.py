@@ -42,12 +42,20 @@ def make_engine(**kw):
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, context_tokens=4096, **kw)
+    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, **{"context_tokens": 16384, **kw})
 
 
 @pytest.fixture(scope="module")
 def engine():
     e = make_engine()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def unified_engine():
+    """The unified KV cache (one pool of cells for all sessions): what tree verification needs."""
+    e = make_engine(kv_unified=True, context_tokens=4096)
     yield e
     e.close()
 
@@ -205,7 +213,8 @@ def test_draft_killed_mid_generation_degrades_to_the_engines_target_only(redis_u
         stack.stop()
 
 
-def test_tree_verification_keeps_the_accepted_path_only(engine):
+def test_tree_verification_keeps_the_accepted_path_only(unified_engine):
+    engine = unified_engine
     ids = prompt_ids(engine, PROMPTS[1])
     engine.prefill("ref", 0, ids)
     ref = engine.decode("ref", len(ids), [], 8, GREEDY, 0, 0)[0]
@@ -226,7 +235,8 @@ def test_tree_verification_keeps_the_accepted_path_only(engine):
     engine.release("tree")
 
 
-def test_tree_speculation_through_the_services_equals_target_only(redis_url, engine):
+def test_tree_speculation_through_the_services_equals_target_only(redis_url, unified_engine):
+    engine = unified_engine
     from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, draft_timeout_floor_ms=5000, tree_budget=8)
@@ -239,6 +249,53 @@ def test_tree_speculation_through_the_services_equals_target_only(redis_url, eng
             assert spec.stats["verify_steps"] > 0
     finally:
         stack.stop()
+
+
+def test_tree_on_the_per_session_streams_is_a_clear_error(engine):
+    ids = prompt_ids(engine, PROMPTS[0])
+    engine.prefill("tree-streams", 0, ids)
+    with pytest.raises(ValueError, match="unified KV cache"):
+        engine.verify("tree-streams", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+    assert engine.decode("tree-streams", len(ids), [], 2, GREEDY, 0, 0)[2] >= 0  # the session still works
+    engine.release("tree-streams")
+
+
+def decode_with_churn(engine, ids: list[int], steps: int, chunk: int) -> list[int]:
+    """Greedy decode of a session while other sessions come, grow, get cropped and leave between its chunks,
+    so that in a shared pool its new cells land in holes others left."""
+    others = [prompt_ids(engine, p * 3) for p in PROMPTS + ["Name three rivers in Africa and their lengths."]]
+    for k, other in enumerate(others):
+        engine.prefill(f"churn{k}", 0, other[:30 + 10 * k])
+    engine.release("churn1")  # a hole the session's first cells fill
+    engine.prefill("a", 0, ids[:-1])
+    out, cached, delta = [], len(ids) - 1, [ids[-1]]
+    for i in range(0, steps, chunk):
+        tokens, cached, _ = engine.decode("a", cached, delta, chunk, GREEDY, 0, i)
+        out += tokens
+        delta = [tokens[-1]]
+        other = others[i // chunk % len(others)]
+        sid = f"churn{i // chunk % len(others)}"
+        engine.prefill(sid, 0, other[:5 + (7 * i) % len(other)])  # grows it, or crops it back
+        if i // chunk % 3 == 2:
+            engine.release(sid)
+    for k in range(len(others)):
+        engine.release(f"churn{k}")
+    engine.release("a")
+    return out
+
+
+def test_greedy_tokens_do_not_depend_on_the_other_sessions_in_the_cache():
+    """Batch invariance: a session decodes the same tokens alone and among sessions that come and go (on the
+    unified KV cache, kv_unified=True, its tokens differ here: the attention sums its cells in another order)."""
+    engine = make_engine()
+    try:
+        ids = prompt_ids(engine, "Explain in detail how a hash table handles collisions, with examples.")
+        engine.prefill("a", 0, ids[:-1])
+        alone = engine.decode("a", len(ids) - 1, [ids[-1]], 40, GREEDY, 0, 0)[0]
+        engine.release("a")
+        assert decode_with_churn(engine, ids, 40, 4) == alone
+    finally:
+        engine.close()
 
 
 def test_engine_choice():
