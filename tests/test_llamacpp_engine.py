@@ -333,10 +333,11 @@ def test_serve_target_arguments_build_the_chosen_engine():
     from target_service.engines.llamacpp import LlamaCppEngine
 
     engine = build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", "--max-sessions", "3",
-                                             "--llama-context", "1024"]))
+                                             "--llama-context", "8192", "--llama-session-context", "1024"]))
     try:
         assert isinstance(engine, LlamaCppEngine)
-        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 1024, 1024)
+        # a stream of 1024 cells for each of the 3 sessions and the profile
+        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 4096, 1024)
         for i in range(4):  # a fourth session evicts the least recently used
             engine.prefill(f"s{i}", 0, [1, 2, 3])
         assert engine.cached_sessions() == 3 and "s0" not in engine and engine.evictions == 1
