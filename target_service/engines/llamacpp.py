@@ -1,8 +1,9 @@
 """llama.cpp as the target's engine (`specdec serve target --engine llamacpp`): the GGUF runs in llama.cpp's own
 quantized CPU kernels instead of being dequantized to float32 for PyTorch.
 
-One llama context holds every session: a session is a sequence (seq_id) in a unified KV cache of
-`context_tokens` cells. A Verify is one llama_decode of the new context tokens plus the draft block, with
+One llama context holds every session: a session is a sequence (seq_id) with its own KV stream of
+`session_tokens` cells (kv_unified=False), so its logits do not depend on the other sessions; kv_unified=True
+shares one pool of `context_tokens` cells (needed for trees, not batch-invariant). A Verify is one llama_decode of the new context tokens plus the draft block, with
 logits for the block's rows; the verdict is specdec.core.sampling's (the same code as the PyTorch engine), and the
 rejected positions leave the sequence (llama_memory_seq_rm). The batcher's jobs from several sessions go into
 the same llama_decode. Target-only decoding is a Verify of an empty block, so it runs the same code path."""
@@ -105,6 +106,9 @@ class LlamaCppEngine:
             streams = max(2, min(max_sessions + 1, context_tokens // session_context,
                                  int(llama_cpp.llama_max_parallel_sequences())))
             self.max_sessions = streams - 1
+            if self.max_sessions < max_sessions:
+                log.warning("llama.cpp engine keeps %d sessions, not %d: %d KV cells hold %d streams of %d",
+                            self.max_sessions, max_sessions, context_tokens, streams, session_context)
             self._scratch_ids = []
             cparams.n_seq_max = streams
             context_tokens = streams * session_context
