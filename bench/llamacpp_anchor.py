@@ -16,53 +16,7 @@ import json
 import os
 import time
 
-import numpy as np
-
-
-class DirectLlamaCpp:
-    """Plain llama.cpp: one context; a prompt prefilled in one batch, then single-token decodes, each the argmax
-    of its logits."""
-
-    def __init__(self, gguf: str, threads: int):
-        import llama_cpp
-        from llama_cpp import _logger
-
-        _logger.set_verbose(False)
-        llama_cpp.llama_backend_init()
-        self.ll = llama_cpp
-        self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 4096, 512, 512
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
-
-    def _feed(self, tokens: list[int], start: int) -> int:
-        batch = self.batch
-        for j, t in enumerate(tokens):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0] = t, start + j, 1, 0
-            batch.logits[j] = j == len(tokens) - 1
-        batch.n_tokens = len(tokens)
-        if self.ll.llama_decode(self.ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        return int(np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).argmax())
-
-    def generate(self, ids: list[int], n: int) -> tuple[int, float]:
-        """(tokens, wall seconds) for n new tokens after ids."""
-        t0 = time.perf_counter()
-        self.ll.llama_memory_clear(self.mem, True)
-        token = self._feed(ids, 0)
-        for i in range(n - 1):
-            token = self._feed([token], len(ids) + i)
-        return n, time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.ll.llama_batch_free(self.batch)
-        self.ll.llama_free(self.ctx)
-        self.ll.llama_model_free(self.model)
+from bench.llamacpp_rows import DirectLlamaCpp
 
 
 def measure(gguf: str, prompts: list[list[int]], max_new: int, threads: int, draft_len: int,
@@ -74,7 +28,7 @@ def measure(gguf: str, prompts: list[list[int]], max_new: int, threads: int, dra
     from launcher.stack import LocalStack, StackConfig
 
     cfg = StackConfig(target_model="smollm2", draft_strategy="local-ngram", threads=threads, draft_len=draft_len,
-                      target_args=["--engine", "llamacpp", "--profile-forward", "off"])
+                      engine="llamacpp", draft_replicas=0, target_args=["--profile-forward", "off"])
     stack = LocalStack(cfg).start()
     direct = DirectLlamaCpp(gguf, threads)
     client = SpecdecClient(stack.address)

@@ -22,6 +22,7 @@ from bench import analysis
 from bench.prompts import Prompt, encode, select
 from bench.configs import (Config, _draft_note, build_configs, orchestrator_specs, session_job_count,
                            sessions_sweep_flags)
+from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs
 from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
@@ -181,13 +182,15 @@ def run(args: argparse.Namespace) -> dict:
         raise
     phase("load_models")
     not_measured: dict[str, str] = {}
+    close_anchors: list = []
     progress = None
     session_rows: list[dict] = []
     try:
         services.wait()
         startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
         phase("service_startup")
-        cfgs = build_configs(args, services, target, draft, flags)
+        anchors, close_anchors = llamacpp_configs(args, target.eos_token_ids)
+        cfgs = build_configs(args, services, target, draft, flags) + anchors
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
         micro = microbench(target, draft, first, args.draft_lens)
@@ -291,6 +294,8 @@ def run(args: argparse.Namespace) -> dict:
         if progress is not None:
             progress.close()
         services.stop()
+        for close in close_anchors:
+            close()
 
     baseline = next(c for c in cfgs if c.name == "specdec-target-only")
     reference = {}
@@ -298,6 +303,7 @@ def run(args: argparse.Namespace) -> dict:
         reference.setdefault(s.prompt, s.tokens)
     rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
+    res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1))
     res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
     res["machine"]["cpu_affinity"] = {
         "single-session configurations": pinned or "not pinned (the OS scheduler places the services)",

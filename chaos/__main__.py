@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-replicas", type=int, default=2)
     p.add_argument("--draft-len", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="torch",
+                   help="the target's engine (llamacpp: a GGUF target, e.g. --target-model smollm2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--draft-timeout-floor-ms", type=float, default=None)
@@ -67,7 +69,7 @@ def options(args: argparse.Namespace) -> ChaosOptions:
                      slow_latency_ms=args.slow_latency_ms, slow_target_ms=args.slow_target_ms)
     fixed = dict(seed=args.seed, target_model=args.target_model, draft_strategy=args.draft_strategy,
                  draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
-                 threads=args.threads, device=args.device, dtype=args.dtype, log_dir=args.log_dir,
+                 engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype, log_dir=args.log_dir,
                  fresh_stack=args.fresh_stack)
     if args.quick:
         return ChaosOptions.quick_preset(**overrides, **fixed)

@@ -52,6 +52,7 @@ class ChaosOptions:
     draft_replicas: int = 2
     target_replicas: int = 1           # kill_target_pool runs with 2 (chaos/target_pool.py)
     draft_len: int = 4
+    engine: str = "torch"              # the target's engine (llamacpp needs a GGUF target such as smollm2)
     threads: int = 1
     device: str = "cpu"
     dtype: str = "float32"
@@ -138,7 +139,7 @@ class ChaosHarness:
         cfg = StackConfig(target_model=o.target_model, draft_strategy=o.draft_strategy, draft_model=o.draft_model,
                           draft_replicas=o.draft_replicas, target_replicas=o.target_replicas,
                           draft_len=o.draft_len, adaptive_draft_len=False,
-                          store="redis", threads=o.threads,
+                          store="redis", engine=o.engine, threads=o.threads,
                           device=o.device, dtype=o.dtype, orchestrator_args=orch,
                           draft_args=["--inject-latency-ms", str(o.slow_latency_ms)],
                           target_args=["--inject-latency-ms", str(o.slow_target_ms)])  # armed, off until SIGUSR1

@@ -35,6 +35,10 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                    help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
                         "0 for `run`'s one session)")
     p.add_argument("--store", choices=["redis", "memory"], default=StackConfig.store)
+    p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="auto",
+                   help="the target's engine (auto: llama.cpp for a GGUF target, the default SmolLM2 included, on a "
+                        "CPU where llama-cpp-python is installed, with n-gram drafting in the orchestrator; torch "
+                        "otherwise, with the int8 self-draft: docs/engines.md)")
     p.add_argument("--threads", type=int, default=StackConfig.threads, help="torch threads per model service")
     p.add_argument("--pin-cpus", choices=["auto", "off"],
                    help="auto: the target and each draft on CPUs of their own when enough are allowed (threads "
@@ -54,7 +58,7 @@ def _stack_config(args):
                        target_replicas=args.target_replicas,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
-                       store=args.store, threads=args.threads, device=args.device, dtype=args.dtype,
+                       store=args.store, engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype,
                        pin_cpus=args.pin_cpus)
 
 
@@ -188,6 +192,17 @@ class _StartupReport:
             self.stream.flush()
 
 
+def _new_stack(cfg, log_dir, command: str):
+    """A LocalStack; an engine that cannot serve the target ends the command with the reason."""
+    from launcher.stack import LocalStack
+    from specdec.core.grpc_util import StartupError
+
+    try:
+        return LocalStack(cfg, log_dir)
+    except StartupError as e:
+        raise SystemExit(f"specdec {command}: {e}") from None
+
+
 def _start(stack, command: str) -> None:
     """Start a LocalStack, showing on stderr what its services are doing until they serve; a service that
     cannot start ends the command with its reason (and its log's last lines), not a traceback."""
@@ -221,13 +236,11 @@ def cmd_up(args) -> int:
     import signal
     import threading
 
-    from launcher.stack import LocalStack
-
     cfg = _stack_config(args)
     cfg.orchestrator_port = args.port
     cfg.http_port = args.http_port
     cfg.metrics_base_port = args.metrics_base_port
-    stack = LocalStack(cfg, args.log_dir)
+    stack = _new_stack(cfg, args.log_dir, "up")
     stop = threading.Event()
 
     def stop_quietly() -> None:  # from here on a signal asks to stop; it cannot cut the clean-up short
@@ -242,7 +255,7 @@ def cmd_up(args) -> int:
         stop_quietly()  # it serves: a signal from now on (one that read the line below too) asks it to stop
         print(json.dumps({"orchestrator": stack.address, "http": stack.http_url, "target": stack.target.address,
                           "targets": [t.address for t in stack.targets], "drafts": [d.address for d in stack.drafts],
-                          "draft_strategy": stack.draft_strategy,
+                          "draft_strategy": stack.draft_strategy, "engine": stack.engine,
                           "redis": stack.redis.url if stack.redis else "memory", "logs": str(stack.log_dir),
                           "cpu_affinity": stack.cpu_affinity()}), flush=True)
         while not stop.wait(0.5):
@@ -289,10 +302,9 @@ def cmd_generate(args) -> int:
 
 def cmd_run(args) -> int:
     from specdec.client import SpecdecClient
-    from launcher.stack import LocalStack
 
     cfg = _stack_config(args)
-    stack = LocalStack(cfg, args.log_dir)
+    stack = _new_stack(cfg, args.log_dir, "run")
     print(f"starting local stack (logs in {stack.log_dir}) ...", file=sys.stderr)
     try:
         _start(stack, "run")
@@ -304,6 +316,7 @@ def cmd_run(args) -> int:
         out = result.to_json()
         out["mode"] = args.mode
         out["draft_strategy"] = stack.draft_strategy if args.mode == "speculative" else None
+        out["engine"] = stack.engine
         out["cpu_affinity"] = stack.cpu_affinity()
         print(json.dumps(out))
     else:

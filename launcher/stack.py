@@ -138,6 +138,9 @@ class StackConfig:
     pipeline: str = LoopConfig.pipeline  # off | on | auto
     batch_window_ms: float = 0.0  # target: batch concurrent sessions' steps within this window
     store: str = "redis"  # redis (a private redis-server) or memory
+    # The target's engine (target_service/engines/select.py). The library keeps torch (tests and chaos runs count on
+    # its KV export to the int8 draft); `specdec run/up` pass auto: llama.cpp for the GGUF on a CPU where installed.
+    engine: str = "torch"
     threads: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -164,12 +167,28 @@ def draft_model_args(strategy: str, draft_model: str, target_model: str, extra: 
     return ["--vocab-from", target_model]
 
 
-def resolve_draft_strategy(cfg: StackConfig) -> str:
-    """auto, for the default target: its own weights in int8 where the draft runs on a CPU with the native kernel
+def resolve_engine(cfg: StackConfig) -> tuple[str, str]:
+    """(the target's engine, why): cfg.engine, auto resolved (llama.cpp for a GGUF on a CPU where llama-cpp-python
+    is installed). StartupError for an engine that cannot serve the target."""
+    from specdec.core.grpc_util import StartupError
+    from target_service.engines.select import choose_engine
+
+    try:
+        return choose_engine(cfg.engine, cfg.target_model, cfg.device)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
+def resolve_draft_strategy(cfg: StackConfig, engine: str = "torch") -> str:
+    """auto, for the default target: on the llama.cpp engine, n-gram prompt lookup in the orchestrator with the
+    goodput draft length (it drafts only where a block pays, else decodes target-only: measured best there,
+    docs/engines.md); on torch, its own weights in int8 where the draft runs on a CPU with the native kernel
     (measured best on a CPU, docs/benchmark.md), else the distilled draft if its report predicts a speedup,
     else n-gram prompt lookup. Another target: the draft model given."""
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy
+    if engine == "llamacpp":
+        return LOCAL_NGRAM
     if cfg.target_model in ("smollm2", "smollm2-135m-instruct") and cfg.draft_model == "smollm2-draft":
         if int8_draft_runs_here(cfg.device):
             return QUANTIZED
@@ -214,8 +233,20 @@ class LocalStack:
         self.targets: list[ServiceProcess] = []
         self.drafts: list[ServiceProcess] = []
         self.orchestrator: ServiceProcess | None = None
-        self.draft_strategy = resolve_draft_strategy(cfg)
+        self.engine, self.engine_reason = resolve_engine(cfg)
+        self.draft_strategy = resolve_draft_strategy(cfg, self.engine)
+        self.target_threads = self._target_threads()
         self.cpu_plan = self._cpu_plan()
+
+    def _target_threads(self) -> int:
+        """--threads per model service; a llama.cpp target without a draft process (the drafter runs in the
+        orchestrator) computes on the cores the draft replicas would have had, as many as this process may use."""
+        cfg = self.cfg
+        if self.engine != "llamacpp" or self.draft_strategy != LOCAL_NGRAM:
+            return cfg.threads
+        from specdec.ops.cpu_affinity import allowed_cpus
+
+        return max(1, min(len(allowed_cpus()), cfg.threads * (1 + cfg.draft_replicas)))
 
     def _cpu_plan(self) -> dict[str, set[int]]:
         if self.cfg.pin_cpus not in ("auto", "off"):
@@ -224,8 +255,9 @@ class LocalStack:
             return {}
         from specdec.ops.cpu_affinity import local_stack_plan
 
-        drafts = 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
-        return local_stack_plan(self.cfg.threads, drafts) or {}
+        if self.draft_strategy == LOCAL_NGRAM:
+            return local_stack_plan(self.target_threads, 0) or {}
+        return local_stack_plan(self.cfg.threads, self.cfg.draft_replicas) or {}
 
     def cpu_affinity(self) -> dict[str, str]:
         """Where the services were pinned ({"target": "1", "draft0": "0"}); empty when nothing was."""
@@ -265,8 +297,8 @@ class LocalStack:
     def _batching(self) -> list[str]:
         return ["--batch-window-ms", str(self.cfg.batch_window_ms)] if self.cfg.batch_window_ms > 0 else []
 
-    def _common(self) -> list[str]:
-        return ["--threads", str(self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
+    def _common(self, threads: int | None = None) -> list[str]:
+        return ["--threads", str(threads or self.cfg.threads), "--device", self.cfg.device, "--dtype", self.cfg.dtype]
 
     def _check_ports(self) -> None:
         """Fail before loading any model when a fixed port is taken (a second `specdec up`, say)."""
@@ -328,8 +360,8 @@ class LocalStack:
             for i in range(cfg.target_replicas):
                 name = "target" if i == 0 else f"target{i}"
                 self.targets.append(ServiceProcess(
-                    name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(),
-                           *self._target_metrics(i), *self._batching(), *self._affinity(name), *cfg.target_args],
+                    name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(self.target_threads),
+                           "--engine", self.engine, *self._target_metrics(i), *self._batching(), *self._affinity(name), *cfg.target_args],
                     self.log_dir))
                 self.targets[-1].start()  # tracked before its process exists: a Ctrl-C now still stops it
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):

@@ -26,7 +26,14 @@ class TargetSettings:
         "llamacpp (a GGUF in llama.cpp's quantized CPU kernels); auto: llamacpp for a GGUF on a CPU when "
         "llama-cpp-python is installed, else torch", choices=("auto", "llamacpp", "torch"))
     llama_context: int = setting(
-        16384, "llama.cpp engine: KV cache cells shared by all sessions (f16, 22.5 KiB a token for SmolLM2)")
+        16384, "llama.cpp engine: KV cache cells in all (f16, 22.5 KiB a token for SmolLM2); per-session streams: "
+        "at most llama_context / llama_session_context - 1 sessions are kept")
+    llama_session_context: int = setting(
+        2048, "llama.cpp engine: each session's own KV stream, its context limit (per-session streams make greedy "
+        "output independent of the other sessions)")
+    llama_kv_unified: bool = setting(
+        False, "llama.cpp engine: one KV pool shared by all sessions instead of a stream each; needed for tree "
+        "speculation, but a session's greedy tokens then depend on the other sessions' cache history")
     max_sessions: int = setting(64, "KV caches kept (LRU)")
     max_cache_mb: int = setting(4096, "KV cache bytes kept (LRU)")
     max_draft_len: int = setting(MAX_DRAFT_LEN, "the most draft tokens one Verify may carry (advertised in GetInfo)")

@@ -296,3 +296,71 @@ def test_the_http_api_is_measured_beside_grpc(bench_run):
     assert h["same_tokens"] and h["grpc"]["requests"] == h["http"]["requests"] == 2
     assert res["ttft_ms"]["http"] > 0 and res["ttft_ms"]["grpc"] > 0
     assert "## HTTP vs gRPC" in (out / "latest.md").read_text()
+
+
+def test_llamacpp_keys_are_null_with_the_reason_when_llamacpp_cannot_run(bench_run):
+    res, out = bench_run  # a tiny random target: no GGUF for llama.cpp
+    assert res["llamacpp_tokens_per_s"] is None and res["speedup_vs_llamacpp"] is None
+    assert "not a GGUF" in res["llamacpp_reason"]
+    rows = [c for c in res["configs"] if c["name"].startswith("llamacpp-")]
+    assert {c["kind"] for c in rows} == {"llamacpp-plain", "llamacpp-prompt-lookup"}
+    assert all(not c["available"] and "not a GGUF" in c["reason"] for c in rows)
+    assert "llama.cpp plain, 1 thread" in (out / "latest.md").read_text()
+
+
+def test_headline_vs_llamacpp_takes_plain_llamacpp_at_the_headlines_cores():
+    from bench.llamacpp_rows import core_counts, headline_vs_llamacpp
+
+    assert core_counts(1, 2) == [1, 2] and core_counts(2, 8) == [1, 2, 4] and core_counts(4, 4) == [1, 4]
+    plain = {t: {"name": f"llamacpp-plain-t{t}", "kind": "llamacpp-plain", "available": True,
+                 "tokens_per_s": 20.0 * t, "settings": {"threads": t}} for t in (1, 2, 4)}
+
+    def res(flags):
+        head = {"name": "specdec-pipe-auto-adaptive", "orchestrator_flags": flags, "tokens_per_s": 30.0}
+        return {"headline_config": head["name"], "tokens_per_s": 30.0, "configs": [head, *plain.values()]}
+
+    with_draft = headline_vs_llamacpp(res(["--pipeline", "auto"]), threads=1, cpus=2)  # target + draft process
+    assert with_draft["llamacpp_cores"] == 2 and with_draft["llamacpp_tokens_per_s"] == 40.0
+    assert with_draft["llamacpp_threads"] == 2 and close(with_draft["speedup_vs_llamacpp"], 30.0 / 40.0)
+    local = headline_vs_llamacpp(res(["--draft", "local:ngram"]), threads=1, cpus=2)  # no draft process
+    assert local["llamacpp_cores"] == 1 and close(local["speedup_vs_llamacpp"], 30.0 / 20.0)
+    capped = headline_vs_llamacpp(res([]), threads=2, cpus=2)  # never more threads than the machine has
+    assert capped["llamacpp_cores"] == 2 and capped["llamacpp_threads"] == 2
+    plain[2]["tokens_per_s"] = 5.0  # 2 threads slower than one (a busy host): the anchor is the faster row
+    slow = headline_vs_llamacpp(res([]), threads=1, cpus=2)
+    assert (slow["llamacpp_threads"], slow["llamacpp_tokens_per_s"]) == (1, 20.0)
+    for t in (1, 2):
+        plain[t].update(available=False, tokens_per_s=None, reason="failed during the run: X")
+    failed = headline_vs_llamacpp(res([]), threads=1, cpus=2)
+    assert failed["llamacpp_tokens_per_s"] is None and failed["speedup_vs_llamacpp"] is None
+    assert failed["llamacpp_reason"] == "failed during the run: X"
+
+
+def test_llamacpp_anchor_rows_decode_the_gguf_greedily():
+    import argparse
+
+    from bench.llamacpp_rows import llamacpp_configs
+    from specdec.models import load_tokenizer, smollm2_gguf_path
+
+    tok = load_tokenizer(str(smollm2_gguf_path()))
+    ids = tok.encode("one two three four five one two three four five one two three", add_special_tokens=True)
+    args = argparse.Namespace(target_model="smollm2", threads=1, prompt_lookup_num_tokens=10)
+    cfgs, closers = llamacpp_configs(args, eos_ids=[], cpus=2)
+    try:
+        assert [c.name for c in cfgs] == ["llamacpp-plain-t1", "llamacpp-plain-t2", "llamacpp-prompt-lookup-t2"]
+        outs = {c.name: c.run(ids, 12) for c in cfgs}
+        assert all(len(s.tokens) == 12 and s.wall_s > 0 for s in outs.values())
+        # Greedy everywhere: the prompt-lookup anchor commits exactly plain decoding's tokens.
+        assert outs["llamacpp-plain-t1"].tokens == outs["llamacpp-prompt-lookup-t2"].tokens
+        stop = outs["llamacpp-plain-t1"].tokens[3]
+        stopped = llamacpp_configs(args, eos_ids=[stop], cpus=1)
+        try:
+            assert [c.name for c in stopped[0]] == ["llamacpp-plain-t1", "llamacpp-prompt-lookup-t1"]
+            first = outs["llamacpp-plain-t1"].tokens
+            assert stopped[0][0].run(ids, 12).tokens == first[: first.index(stop) + 1]  # stops at EOS as specdec
+        finally:
+            for close_ in stopped[1]:
+                close_()
+    finally:
+        for close_ in closers:
+            close_()

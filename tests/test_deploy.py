@@ -539,6 +539,17 @@ def test_dockerfile(name):
     assert "SPECDEC_CACHE_DIR=/models" in " ".join(rest for op, rest in ins if op == "ENV")
     assert ("WORKDIR", "/app") in ins and ("COPY", ". ./") in ins  # so /app/deploy/healthcheck.py exists
     assert "chown specdec:specdec /models" in runs
+    if name == "Dockerfile":  # the CPU image also serves the llama.cpp target engine, built in the image
+        import tomllib
+
+        extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["llamacpp"]
+        pin = next(d for d in extra if d.startswith("llama-cpp-python")).replace(" ", "")
+        assert pin == "llama-cpp-python==0.3.36"
+        build = re.search(r'CMAKE_ARGS="([^"]*)"\s+pip install ' + re.escape(pin) + r"(\s|$)", runs)
+        assert build, f"{pin} must be pip-installed (built from source) with CMAKE_ARGS"
+        assert "-DGGML_NATIVE=OFF" in build.group(1), "a native build would only run on CPUs like the build host's"
+        assert runs.index("install -y --no-install-recommends g++") < build.start() < runs.index("purge -y"), \
+            "llama.cpp is compiled while g++ is installed"
 
 
 def _dockerignore_includes(patterns: list[str], path: str) -> bool:

@@ -7,6 +7,7 @@ These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-p
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -41,12 +42,20 @@ def make_engine(**kw):
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, context_tokens=4096, **kw)
+    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, **{"context_tokens": 16384, **kw})
 
 
 @pytest.fixture(scope="module")
 def engine():
     e = make_engine()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def unified_engine():
+    """The unified KV cache (one pool of cells for all sessions): what tree verification needs."""
+    e = make_engine(kv_unified=True, context_tokens=4096)
     yield e
     e.close()
 
@@ -204,7 +213,8 @@ def test_draft_killed_mid_generation_degrades_to_the_engines_target_only(redis_u
         stack.stop()
 
 
-def test_tree_verification_keeps_the_accepted_path_only(engine):
+def test_tree_verification_keeps_the_accepted_path_only(unified_engine):
+    engine = unified_engine
     ids = prompt_ids(engine, PROMPTS[1])
     engine.prefill("ref", 0, ids)
     ref = engine.decode("ref", len(ids), [], 8, GREEDY, 0, 0)[0]
@@ -225,7 +235,8 @@ def test_tree_verification_keeps_the_accepted_path_only(engine):
     engine.release("tree")
 
 
-def test_tree_speculation_through_the_services_equals_target_only(redis_url, engine):
+def test_tree_speculation_through_the_services_equals_target_only(redis_url, unified_engine):
+    engine = unified_engine
     from orchestrator.settings import LoopConfig
 
     cfg = LoopConfig(default_draft_len=4, draft_timeout_floor_ms=5000, tree_budget=8)
@@ -238,6 +249,53 @@ def test_tree_speculation_through_the_services_equals_target_only(redis_url, eng
             assert spec.stats["verify_steps"] > 0
     finally:
         stack.stop()
+
+
+def test_tree_on_the_per_session_streams_is_a_clear_error(engine):
+    ids = prompt_ids(engine, PROMPTS[0])
+    engine.prefill("tree-streams", 0, ids)
+    with pytest.raises(ValueError, match="unified KV cache"):
+        engine.verify("tree-streams", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+    assert engine.decode("tree-streams", len(ids), [], 2, GREEDY, 0, 0)[2] >= 0  # the session still works
+    engine.release("tree-streams")
+
+
+def decode_with_churn(engine, ids: list[int], steps: int, chunk: int) -> list[int]:
+    """Greedy decode of a session while other sessions come, grow, get cropped and leave between its chunks,
+    so that in a shared pool its new cells land in holes others left."""
+    others = [prompt_ids(engine, p * 3) for p in PROMPTS + ["Name three rivers in Africa and their lengths."]]
+    for k, other in enumerate(others):
+        engine.prefill(f"churn{k}", 0, other[:30 + 10 * k])
+    engine.release("churn1")  # a hole the session's first cells fill
+    engine.prefill("a", 0, ids[:-1])
+    out, cached, delta = [], len(ids) - 1, [ids[-1]]
+    for i in range(0, steps, chunk):
+        tokens, cached, _ = engine.decode("a", cached, delta, chunk, GREEDY, 0, i)
+        out += tokens
+        delta = [tokens[-1]]
+        other = others[i // chunk % len(others)]
+        sid = f"churn{i // chunk % len(others)}"
+        engine.prefill(sid, 0, other[:5 + (7 * i) % len(other)])  # grows it, or crops it back
+        if i // chunk % 3 == 2:
+            engine.release(sid)
+    for k in range(len(others)):
+        engine.release(f"churn{k}")
+    engine.release("a")
+    return out
+
+
+def test_greedy_tokens_do_not_depend_on_the_other_sessions_in_the_cache():
+    """Batch invariance: a session decodes the same tokens alone and among sessions that come and go (on the
+    unified KV cache, kv_unified=True, its tokens differ here: the attention sums its cells in another order)."""
+    engine = make_engine()
+    try:
+        ids = prompt_ids(engine, "Explain in detail how a hash table handles collisions, with examples.")
+        engine.prefill("a", 0, ids[:-1])
+        alone = engine.decode("a", len(ids) - 1, [ids[-1]], 40, GREEDY, 0, 0)[0]
+        engine.release("a")
+        assert decode_with_churn(engine, ids, 40, 4) == alone
+    finally:
+        engine.close()
 
 
 def test_engine_choice():
@@ -275,13 +333,89 @@ def test_serve_target_arguments_build_the_chosen_engine():
     from target_service.engines.llamacpp import LlamaCppEngine
 
     engine = build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", "--max-sessions", "3",
-                                             "--llama-context", "1024"]))
+                                             "--llama-context", "8192", "--llama-session-context", "1024"]))
     try:
         assert isinstance(engine, LlamaCppEngine)
-        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 1024, 1024)
+        # a stream of 1024 cells for each of the 3 sessions and the profile
+        assert (engine.max_sessions, engine.context_tokens, engine.loaded.max_context) == (3, 4096, 1024)
         for i in range(4):  # a fourth session evicts the least recently used
             engine.prefill(f"s{i}", 0, [1, 2, 3])
         assert engine.cached_sessions() == 3 and "s0" not in engine and engine.evictions == 1
         assert engine.cache_bytes() == 3 * 3 * engine.kv_bytes_per_token
     finally:
         engine.close()
+
+
+def test_run_and_up_pick_the_llamacpp_engine_and_a_drafter_that_needs_no_target_kv(tmp_path):
+    """`specdec run|up` default to --engine auto: llama.cpp for the GGUF where it is installed, with the n-gram
+    drafter in the orchestrator (the int8 self-draft's prompt KV comes only from the torch engine); the library's
+    StackConfig keeps torch and its int8 draft."""
+    from launcher import cli
+    from launcher.stack import LocalStack, StackConfig
+    from specdec.core.grpc_util import StartupError
+    from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+    from specdec.ops.cpu_affinity import allowed_cpus
+
+    for command in ("run", "up"):
+        assert cli._stack_config(cli.build_parser().parse_args([command])).engine == "auto"
+    if MISSING:
+        pytest.fail(MISSING)
+    auto = LocalStack(StackConfig(engine="auto"), str(tmp_path))
+    assert (auto.engine, auto.draft_strategy) == ("llamacpp", LOCAL_NGRAM)
+    # no draft process: the target computes on the cores a draft replica would have had
+    assert auto.target_threads == min(len(allowed_cpus()), 2)
+    library = LocalStack(StackConfig(), str(tmp_path))
+    assert (library.engine, library.target_threads) == ("torch", 1)
+    assert library.draft_strategy != LOCAL_NGRAM
+    forced = LocalStack(StackConfig(engine="llamacpp", draft_strategy=QUANTIZED), str(tmp_path))
+    assert (forced.engine, forced.draft_strategy, forced.target_threads) == ("llamacpp", QUANTIZED, 1)
+    tiny = LocalStack(StackConfig(engine="auto", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))
+    assert tiny.engine == "torch"  # not a GGUF: torch, as before
+    with pytest.raises(StartupError, match="--engine llamacpp cannot serve this target: .* is not a GGUF"):
+        LocalStack(StackConfig(engine="llamacpp", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))
+
+
+def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path, engine):
+    """`specdec run --engine llamacpp` serves the GGUF on llama.cpp; its speculative output equals the engine's
+    own target-only decoding (greedy)."""
+    import subprocess
+    import sys
+
+    prompt = "List the numbers from one to twelve, separated by commas."
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "--engine", "llamacpp", "--prompt", prompt,
+           "--max-new-tokens", "40", "--json", "--store", "memory", "--log-dir", str(tmp_path),
+           # one llama.cpp thread: on a test host shared with other jobs, 2 threads wait at llama.cpp's barriers
+           "--threads", "1", "--draft-replicas", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["engine"], out["draft_strategy"]) == ("llamacpp", "local-ngram")
+    assert "target engine: llamacpp" in (tmp_path / "target.log").read_text()
+    ids = prompt_ids(engine, prompt)
+    engine.prefill("run-reference", 0, ids)
+    try:
+        reference = engine.decode("run-reference", len(ids), [], 40, GREEDY, 0, 0)[0]
+    finally:
+        engine.release("run-reference")
+    assert 0 < len(out["token_ids"]) and out["token_ids"] == reference[: len(out["token_ids"])]
+
+
+@pytest.mark.serial  # times forwards
+def test_the_engines_forward_profile_drives_the_goodput_draft_length(engine):
+    """The profile the llama.cpp engine reports in GetInfo is what the orchestrator's goodput policy chooses k
+    from: it grows with the block (llama.cpp's CPU kernels are compute-bound), so a poorly accepted drafter gets
+    k = 0 (target-only) and a nearly always accepted one still drafts."""
+    from orchestrator.draft_length import GoodputDraftLength, TargetCost
+
+    profile = engine.profile_forward_ms(5)
+    assert len(profile) == 5 and profile[0] > 0
+    assert all(b >= a for a, b in zip(profile, profile[1:])) and profile[4] > 1.5 * profile[0], profile
+
+    def chosen_k(accepted_of_4: int) -> int:
+        policy = GoodputDraftLength(4, TargetCost(profile))
+        for _ in range(200):
+            policy.update(4, accepted_of_4)
+        return policy.k
+
+    assert chosen_k(0) == 0  # no k pays: target-only (probing again every few steps)
+    assert chosen_k(4) >= 1, profile  # nearly every token accepted: a block still beats its cost

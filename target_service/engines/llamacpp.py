@@ -1,8 +1,9 @@
 """llama.cpp as the target's engine (`specdec serve target --engine llamacpp`): the GGUF runs in llama.cpp's own
 quantized CPU kernels instead of being dequantized to float32 for PyTorch.
 
-One llama context holds every session: a session is a sequence (seq_id) in a unified KV cache of
-`context_tokens` cells. A Verify is one llama_decode of the new context tokens plus the draft block, with
+One llama context holds every session: a session is a sequence (seq_id) with its own KV stream of
+`session_tokens` cells (kv_unified=False), so its logits do not depend on the other sessions; kv_unified=True
+shares one pool of `context_tokens` cells (needed for trees, not batch-invariant). A Verify is one llama_decode of the new context tokens plus the draft block, with
 logits for the block's rows; the verdict is specdec.core.sampling's (the same code as the PyTorch engine), and the
 rejected positions leave the sequence (llama_memory_seq_rm). The batcher's jobs from several sessions go into
 the same llama_decode. Target-only decoding is a Verify of an empty block, so it runs the same code path."""
@@ -68,7 +69,8 @@ class LlamaCppEngine:
 
     def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 16384,
                  max_sessions: int = 64, max_draft_len: int = 16, batch_window_ms: float = 0.0, max_batch: int = 16,
-                 batch_wait_fraction: float = 0.5, batch_tokens: int = 512):
+                 batch_wait_fraction: float = 0.5, batch_tokens: int = 512, kv_unified: bool = False,
+                 session_tokens: int = 2048):
         llama_cpp = import_llama_cpp()
         self._ll = llama_cpp
         from llama_cpp import _logger
@@ -85,18 +87,38 @@ class LlamaCppEngine:
             raise ValueError(f"llama.cpp could not load {path}")
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        # Sequence ids: the sessions', one for the profile (it never evicts a session), then a tree's scratch ones.
-        self.max_sessions = max(1, min(max_sessions,
-                                       int(llama_cpp.llama_max_parallel_sequences()) - 1 - MAX_TREE_LEAVES))
-        self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
+        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        cparams = llama_cpp.llama_context_default_params()
+        if kv_unified:
+            # Sequence ids: the sessions', one for the profile (it never evicts a session), then a tree's scratch
+            # ones. One pool of cells for all: a session's cells land wherever others left holes, which changes
+            # the attention's summation order, so greedy output can differ with the cache's history.
+            self.max_sessions = max(1, min(max_sessions,
+                                           int(llama_cpp.llama_max_parallel_sequences()) - 1 - MAX_TREE_LEAVES))
+            self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
+            cparams.n_seq_max = self.max_sessions + 1 + MAX_TREE_LEAVES
+            session_context = min(n_ctx_train, context_tokens)
+        else:
+            # Each sequence its own stream of session_context cells, filled from cell 0 in position order: a
+            # session's logits do not depend on the other sessions (batch-invariant greedy output). The cell
+            # budget context_tokens bounds the streams: the sessions' and the profile's. No tree scratch streams.
+            session_context = min(n_ctx_train, session_tokens, context_tokens // 2)
+            streams = max(2, min(max_sessions + 1, context_tokens // session_context,
+                                 int(llama_cpp.llama_max_parallel_sequences())))
+            self.max_sessions = streams - 1
+            if self.max_sessions < max_sessions:
+                log.warning("llama.cpp engine keeps %d sessions, not %d: %d KV cells hold %d streams of %d",
+                            self.max_sessions, max_sessions, context_tokens, streams, session_context)
+            self._scratch_ids = []
+            cparams.n_seq_max = streams
+            context_tokens = streams * session_context
+        self.kv_unified = kv_unified
         self.context_tokens = context_tokens
         self.batch_tokens = batch_tokens
-        cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = context_tokens
         cparams.n_batch = cparams.n_ubatch = batch_tokens
-        cparams.n_seq_max = self.max_sessions + 1 + MAX_TREE_LEAVES
         cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = True  # one pool of cells for all sessions, not n_ctx / n_seq_max each
+        cparams.kv_unified = kv_unified
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -116,7 +138,7 @@ class LlamaCppEngine:
         llama_cpp.llama_model_desc(self._model, desc, len(desc))
         self.loaded = LlamaModelInfo(
             name=name, vocab_size=self._n_vocab,
-            max_context=min(int(llama_cpp.llama_model_n_ctx_train(self._model)), context_tokens),
+            max_context=min(session_context, int(llama_cpp.llama_n_ctx_seq(self._ctx))),
             eos_token_ids=eos, fingerprint=tokenizer_fingerprint(tok), tokenizer=tok,
             dtype="llama.cpp " + desc.value.decode(errors="replace"))
         self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
@@ -212,6 +234,8 @@ class LlamaCppEngine:
         return result
 
     def _make_room(self, need: int, keep) -> None:
+        if not self.kv_unified:
+            return  # each session's stream holds its max_context: only the session count is bounded
         while sum(len(s.tokens) for s in self._sequences.values()) + need > self.context_tokens:
             if not self._evict(keep=keep):
                 raise MemoryError(f"llama.cpp KV cache of {self.context_tokens} tokens is full")
@@ -334,6 +358,9 @@ class LlamaCppEngine:
                 parents = tree.check_parents(job.tree_parents, len(job.draft_tokens))
                 kids, depth = tree.children(parents), tree.depths(parents)
                 leaves = [i for i in range(len(parents)) if not kids[i + 1]]
+                if not self.kv_unified:
+                    raise ValueError("tree verification needs the llama.cpp engine's unified KV cache "
+                                     "(kv_unified, not batch-invariant); send a chain draft")
                 if len(leaves) > len(self._scratch_ids):
                     raise ValueError(f"a tree of {len(leaves)} leaves exceeds this engine's {MAX_TREE_LEAVES}")
                 seq = self._sequence(job.session_id)
