@@ -122,7 +122,7 @@ def test_scenario(results, name):
         assert 0 < res["max_stall_ms"] <= res["stall_bound_ms"], _why(res)
         assert res["checks"]["fault_exercised"], _why(res)  # a step paid the latency / streams waited out the hang
         if name == "slow_target":
-            assert res["post_heal_latency_p50_ms"] < res["slowed_request_min_ms"], _why(res)
+            assert res["post_heal_step_p50_ms"] < res["slowed_step_min_ms"], _why(res)
         else:
             assert res["fault"]["outage_s"] < res["config"]["target_grace_s"], _why(res)
     elif name == "sampling_draft_faults":
@@ -182,16 +182,16 @@ def test_target_fault_checks_without_services():
     h = SimpleNamespace(opts=ChaosOptions(max_new_tokens=40, draft_len=4, slow_target_ms=300.0))
     tl = SimpleNamespace(injected=10.0, heal_started=11.0, settled=11.5)
 
-    def record(phase, latency_s):
+    def record(phase, latency_s, step_ms=50.0):
         r = RequestRecord(0, 0, phase, start=20.0, end=20.0 + latency_s, finish="length")
-        r.gaps_ms = [(20.1, 100.0), (20.2, 50.0)]
+        r.gaps_ms = [(20.1, 100.0), (20.2, step_ms), (20.3, step_ms)]
         return r
 
-    def judged(fault, stall, window_stall, post_latency_s, outage_s=1.0):
+    def judged(fault, stall, window_stall, post_latency_s, outage_s=1.0, post_step_ms=50.0):
         res = {"stall_bound": {"bound_ms": 1.0, "steps": 6, "step_ms": 50.0}, "resumes": 0, "retried_requests": 0,
                "max_stall_ms": stall, "max_stall_in_fault_window_ms": window_stall, "checks": {},
                "fault": {"outage_s": outage_s}, "config": {"target_grace_s": 30.0}}
-        fault.judge(res, [record("load", 5.0), record("post_heal", post_latency_s)], tl)
+        fault.judge(res, [record("load", 5.0), record("post_heal", post_latency_s, post_step_ms)], tl)
         return res
 
     slow = SlowTarget(h, None)
@@ -202,7 +202,8 @@ def test_target_fault_checks_without_services():
     assert res["stall_bound_ms"] == 600.0 + 300.0 and all(res["checks"].values()), res
     assert not judged(slow, 901.0, 350.0, 0.5)["checks"]["stall_within_bound"]
     assert not judged(slow, 700.0, 100.0, 0.5)["checks"]["fault_exercised"]  # no step paid the latency
-    assert not judged(slow, 700.0, 350.0, 2.5)["checks"]["throughput_resumed"]  # 8 steps x 300 ms: still slow
+    assert not judged(slow, 700.0, 350.0, 2.5, post_step_ms=310.0)["checks"]["throughput_resumed"]  # still slow
+    assert judged(slow, 700.0, 350.0, 9.0)["checks"]["throughput_resumed"]  # long but queued: its steps are fast
     hang = HangTarget(h, None)
     res = judged(hang, 1200.0, 900.0, 0.5, outage_s=1.0)
     assert res["stall_bound_ms"] == 1000.0 + 300.0 and all(res["checks"].values()), res
