@@ -47,16 +47,21 @@ class TargetsUnreachable(Exception):
 def model_mismatch(reference: common_pb2.ModelInfo, info: common_pb2.ModelInfo) -> str | None:
     """Why ``info`` cannot serve the sessions placed under ``reference`` (another model, or a replica that allows
     less than the pool promised), or None."""
-    for name in SAME_MODEL_FIELDS:
+    name = _first_difference(reference, info)
+    if name is not None:
         mine, theirs = _field(reference, name), _field(info, name)
-        if mine != theirs:
-            return (f"serves another model: {name} {_short(theirs)} where the other targets have {_short(mine)}; "
-                    "every target replica must serve the same model")
+        return (f"serves another model: {name} {_short(theirs)} where the other targets have {_short(mine)}; "
+                "every target replica must serve the same model")
     if info.max_context < reference.max_context:
         return f"its context ({info.max_context}) is shorter than the pool's ({reference.max_context})"
     if info.max_draft_len and (not reference.max_draft_len or info.max_draft_len < reference.max_draft_len):
         return f"it verifies at most {info.max_draft_len} drafts, fewer than the pool's {reference.max_draft_len or 'any'}"
     return None
+
+
+def _first_difference(a: common_pb2.ModelInfo, b: common_pb2.ModelInfo) -> str | None:
+    """The first SAME_MODEL_FIELDS field in which two replicas' ModelInfos differ, or None."""
+    return next((name for name in SAME_MODEL_FIELDS if _field(a, name) != _field(b, name)), None)
 
 
 def _field(info: common_pb2.ModelInfo, name: str):
@@ -74,11 +79,11 @@ def merge_infos(infos: list[common_pb2.ModelInfo]) -> common_pb2.ModelInfo:
     merged = common_pb2.ModelInfo()
     merged.CopyFrom(infos[0])
     for info in infos[1:]:
-        for name in SAME_MODEL_FIELDS:
-            if _field(info, name) != _field(merged, name):
-                raise IncompatibleTargets(
-                    f"target replicas serve different models: {name} {_short(_field(info, name))} vs "
-                    f"{_short(_field(merged, name))}; every target must serve the same model")
+        name = _first_difference(info, merged)
+        if name is not None:
+            raise IncompatibleTargets(
+                f"target replicas serve different models: {name} {_short(_field(info, name))} vs "
+                f"{_short(_field(merged, name))}; every target must serve the same model")
     merged.max_context = min(i.max_context for i in infos)
     limits = [i.max_draft_len for i in infos]
     merged.max_draft_len = 0 if not any(limits) else min(x for x in limits if x)
