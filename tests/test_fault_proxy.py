@@ -123,8 +123,9 @@ def test_upstream_down_resets_the_client():
         port = free.getsockname()[1]
     p = FaultProxy(f"127.0.0.1:{port}")  # nothing listens there
     try:
-        with _connect(p) as s:
-            with pytest.raises((ConnectionResetError, ConnectionError)):
+        # The reset may come while the connection is still being set up, or on the first round trip.
+        with pytest.raises((ConnectionResetError, ConnectionError)):
+            with _connect(p) as s:
                 _roundtrip(s)
     finally:
         p.close()
