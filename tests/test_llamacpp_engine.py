@@ -419,3 +419,33 @@ def test_the_engines_forward_profile_drives_the_goodput_draft_length(engine):
 
     assert chosen_k(0) == 0  # no k pays: target-only (probing again every few steps)
     assert chosen_k(4) >= 1, profile  # nearly every token accepted: a block still beats its cost
+
+
+def test_every_llama_decode_runs_on_the_engines_one_compute_thread(engine):
+    """llama.cpp's OpenMP build keeps a spinning worker team per calling thread: calls arriving on many gRPC
+    handler threads must still decode on one thread."""
+    seen = set()
+    real = engine._ll
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def llama_decode(self, ctx, batch):
+            seen.add(threading.current_thread().name)
+            return real.llama_decode(ctx, batch)
+
+    engine._ll = Recording()
+    try:
+        ids = engine.loaded.tokenizer.encode(PROMPTS[0])
+        callers = [threading.Thread(target=engine.prefill, args=(f"compute-thread-{i}", 0, ids), name=f"handler-{i}")
+                   for i in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+    finally:
+        engine._ll = real
+        for i in range(3):
+            engine.release(f"compute-thread-{i}")
+    assert len(seen) == 1 and next(iter(seen)).startswith("llama-compute")

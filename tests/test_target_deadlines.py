@@ -114,3 +114,45 @@ def test_prefills_run_one_at_a_time_and_a_late_one_is_skipped():
     finally:
         _CALL_DEADLINE.reset(token)
     assert calls[0] == before  # no forward for it
+
+
+class _ThreadRecordingEngine(_SlowEngine):
+    def __init__(self):
+        super().__init__(0.0)
+        self.threads: list[str] = []
+
+    def verify_many(self, jobs):
+        self.threads.append(threading.current_thread().name)
+        super().verify_many(jobs)
+
+
+def test_a_lone_sessions_step_runs_in_the_callers_thread_and_concurrent_ones_batch():
+    engine = _ThreadRecordingEngine()
+    batcher = VerifyBatcher(engine, window_ms=200, max_batch=4)
+    alone = []
+
+    def lone_session():
+        for _ in range(3):  # one session alone: no hand-off to the batcher thread and back
+            alone.append(batcher.submit(_job("alone"), timeout=5).cached_len)
+
+    caller = threading.Thread(target=lone_session, name="caller")
+    caller.start()
+    caller.join(5)
+    assert alone == [1, 1, 1] and engine.threads == ["caller"] * 3
+    batcher.forget("alone")
+    engine.threads.clear()
+    results = []
+    both = [threading.Thread(target=lambda s=s: results.append(batcher.submit(_job(s), timeout=5)))
+            for s in ("a", "b", "a", "b")]
+    for t in both[:2]:
+        t.start()
+        time.sleep(0.02)
+    for t in both[:2]:
+        t.join(5)
+    for t in both[2:]:  # "a" and "b" are both active now: their steps meet in one batch
+        t.start()
+    for t in both[2:]:
+        t.join(5)
+    assert len(results) == 4
+    assert engine.threads[-1] == "verify-batcher"
+    assert batcher.batched_jobs - batcher.batches >= 1  # at least one batch held both sessions
