@@ -219,16 +219,19 @@ def build_app(servicer):
     async def run(request: Request, parsed: Parsed, kind_chat: bool):
         ctx = HttpContext(request.headers.get("authorization"))
         stream = GenerateStream(servicer, parsed.request, ctx)
+        # Watched from the start: a client that leaves while its request waits in the admission queue leaves it.
+        watcher = asyncio.create_task(watch_disconnect(request, stream))
         try:
             first = await stream.next()  # the session id, or the request's error before anything is streamed
         except BaseException:
+            watcher.cancel()
             stream.cancel()
             raise
         shaper = Shaper(kind_chat, first.session_id, model_name)
         headers = {SESSION_HEADER: first.session_id}
         if parsed.stream:
+            watcher.cancel()  # the streaming response watches for itself
             return SseResponse(sse(stream, first, shaper, parsed.include_usage), stream, headers=headers)
-        watcher = asyncio.create_task(watch_disconnect(request, stream))
         try:
             text, tokens, final = [first.text], list(first.token_ids), first
             while (msg := await stream.next()) is not None:

@@ -36,6 +36,9 @@ def _instruments():
         "trimmed": meter.create_counter("specdec.draft.tokens_trimmed", unit="{token}",
                                         description="drafted tokens not verified: their scores said verifying them "
                                                     "would not pay (goodput draft length)"),
+        "queue_wait": meter.create_histogram("specdec.admission.queue_wait", unit="s",
+                                             description="time a generation waited in the admission queue before "
+                                                         "it started, or before it timed out or was cancelled"),
         "paused": meter.create_counter("specdec.speculation.paused_steps", unit="{step}",
                                        description="steps decoded target-only because no draft length paid "
                                                    "(goodput draft length)"),
@@ -70,3 +73,7 @@ def record_trimmed(tokens: int) -> None:
 
 def record_paused() -> None:
     _instruments()["paused"].add(1)
+
+
+def record_queue_wait(seconds: float) -> None:
+    _instruments()["queue_wait"].record(seconds)

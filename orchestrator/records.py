@@ -87,6 +87,7 @@ class GenerationStats(_Stored):
     store_ms: float = 0.0
     prefetch_wait_ms: float = 0.0
     store_overlapped_ms: float = 0.0
+    queued_ms: float = 0.0  # waited in the admission queue before it started (orchestrator/admission.py)
     draft_failures_by_kind: dict[str, int] = field(default_factory=dict)
 
     def copy(self) -> "GenerationStats":

@@ -13,6 +13,7 @@ from collections import Counter
 
 import grpc
 
+from orchestrator.admission import Admission, QueueCancelled, QueueTimeout
 from orchestrator.cancel import cancel_stored, lease_wait_s
 from orchestrator.clients import TargetClient
 from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
@@ -25,6 +26,7 @@ from orchestrator.prompts import chat_prompt_ids
 from orchestrator.records import GenerationParams
 from orchestrator.session_store import (LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable,
                                         open_store)
+from orchestrator.store_status import store_errors, store_error
 from orchestrator.settings import LoopConfig, ServerSettings
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
@@ -44,33 +46,7 @@ class IncompatibleModels(Exception):
 # Worker threads beyond one per generating session: a stream holds its thread for its whole life, so Health,
 # GetSession and CancelSession always find one free however many sessions stream.
 CONTROL_WORKERS = 16
-
-
-def store_error(e: Exception) -> RpcAbort | None:
-    """The gRPC status of a session-store failure (None: not one)."""
-    if isinstance(e, SessionLost):
-        return RpcAbort(grpc.StatusCode.DATA_LOSS, f"{e}; the session cannot continue (start a new one)")
-    if isinstance(e, StoreFull):
-        return RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-    if isinstance(e, StoreUnavailable):
-        return RpcAbort(grpc.StatusCode.UNAVAILABLE, str(e))
-    if isinstance(e, LeaseLost):
-        return RpcAbort(grpc.StatusCode.ABORTED, str(e))
-    return None
-
-
-def _store_errors(method):
-    """GetSession/CancelSession: a store failure ends the call with its own status (not INTERNAL)."""
-    import functools
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except (SessionLost, StoreFull, StoreUnavailable, LeaseLost) as e:
-            raise store_error(e) from e
-
-    return wrapper
+SESSION_METADATA = "x-specdec-session-id"  # a queued Generate's response header: its session id before it starts
 
 
 def check_compatible(target_info, draft_info) -> None:
@@ -95,7 +71,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                  max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
                  max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
                  admin_tokens: list[str] = (), max_stop_string_bytes: int = 256, max_stop_token_ids: int = 64,
-                 max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0):
+                 max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0,
+                 max_running: int = 0, queue_timeout_s: float = ServerSettings.queue_timeout_s):
         # A single client (tests, embedders) is a pool of one; the pool's threads end with close().
         self.targets = target if isinstance(target, TargetPool) else TargetPool.of_client(target)
         self.pool = pool
@@ -123,6 +100,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft_cost=DraftCost())  # what drafting costs per call, token and prefilled token, across sessions
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
+        # Generations beyond what the targets serve at once wait their turn (0 = auto: TargetPool.capacity).
+        self.admission = Admission(lambda: min(max_active_sessions, max_running or self.targets.capacity(
+            self.target_info) or max_active_sessions), queue_timeout_s, max_active_sessions)
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
         # Admin tokens authenticate too; only they see internal addresses in GetOutline.
         self.principals = {principal_of(t): t for t in [*auth_tokens, *admin_tokens]}
@@ -315,7 +295,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self._active_by_principal[principal] += 1
         lease = f"{self.instance}/{secrets.token_hex(4)}"
         leased = lost = False
+        ticket = self.admission.ticket(sid, principal)
         try:
+            context.add_callback(lambda: (cancel.set(), self.admission.cancel_ticket(ticket)))  # client went away
+            if not context.is_active():
+                cancel.set()  # it went away before the callback was registered
+                self.admission.cancel_ticket(ticket)
+            queued_ms = self._admit(ticket, context) * 1e3
             self._acquire_lease(sid, lease)
             leased = True
             if request.resume_session_id:
@@ -328,11 +314,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.store.clear_cancel_request(sid)  # one aimed at an earlier stream that ended meanwhile
             else:
                 self.store.create(rec)
-            context.add_callback(cancel.set)  # client cancelled or disconnected
-            if not context.is_active():
-                cancel.set()  # it went away before the callback was registered (e.g. while waiting for the lease)
+            rec.stats.queued_ms += queued_ms
             gen = Generation(rec, self.cfg, self.backends, self.measured, StreamControl(cancel, lease))
-            with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id)):
+            with telemetry.span("orchestrator.generate", session_id=sid, resumed=bool(request.resume_session_id),
+                                queued_ms=round(queued_ms, 1)):
                 # First message: the session id, plus whatever a resuming client has not seen yet.
                 offset = request.resume_from if request.resume_session_id else 0
                 gen.text.emitted = len(gen.text.decode(rec.generated[:offset])) if offset else 0
@@ -347,6 +332,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             lost = True  # nothing more can be stored for it: its caches are of no use
             raise
         finally:
+            self.admission.release(ticket)
             with self._active_lock:
                 self._active.pop(sid, None)
                 self._active_by_principal[principal] -= 1
@@ -364,6 +350,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if rec.status != "running" or lost:
                     self._release_caches(sid)
 
+    def _admit(self, ticket, context) -> float:
+        """Wait for the generation's turn (orchestrator/admission.py), at most until the call's deadline; the seconds
+        waited. A queued gRPC call gets its session id at once in the response headers (SESSION_METADATA), for
+        CancelSession."""
+        remaining = getattr(context, "time_remaining", lambda: None)()  # the HTTP API's stand-in has none
+        headers = getattr(context, "send_initial_metadata", None)
+        try:
+            with telemetry.span("orchestrator.admission", session_id=ticket.key):
+                return self.admission.admit(ticket, None if remaining is None else remaining - 0.5, on_queued=(
+                    headers and (lambda: headers(((SESSION_METADATA, ticket.key),)))))
+        except QueueTimeout as e:
+            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except QueueCancelled as e:
+            raise RpcAbort(grpc.StatusCode.CANCELLED, str(e)) from None
+
     def _release_caches(self, sid: str) -> None:
         # Off the request's path: the stream ends without waiting for the services to free their caches.
         if self._closed.is_set():
@@ -373,7 +374,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             self.pool.release(sid)
 
     @handle_errors
-    @_store_errors
+    @store_errors
     def GetSession(self, request, context):
         rec = self._load(request.session_id, self.authenticate(context))
         text = self.tokenizer.decode(rec.generated, skip_special_tokens=True) if self.tokenizer else ""
@@ -382,16 +383,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                finish_reason=rec.finish_reason)
 
     @handle_errors
-    @_store_errors
+    @store_errors
     def CancelSession(self, request, context):
-        rec = self._load(request.session_id, self.authenticate(context))
+        principal = self.authenticate(context)
+        queued = self.admission.cancel(request.session_id, principal)  # one waiting to start leaves the queue
+        try:
+            rec = self._load(request.session_id, principal)
+        except RpcAbort:
+            if queued:
+                return opb.CancelSessionResponse(cancelled=True)  # a new session: stored once it starts
+            raise
         with self._active_lock:
-            event = self._active.get(rec.session_id)
+            event = None if queued else self._active.get(rec.session_id)
         if event is not None:
             event.set()
             return opb.CancelSessionResponse(cancelled=True)
         if rec.status != "running":
-            return opb.CancelSessionResponse(cancelled=False)
+            return opb.CancelSessionResponse(cancelled=queued)
         token = f"{self.instance}/cancel-{secrets.token_hex(4)}"
         cancelled, written = cancel_stored(self.store, rec.session_id, token, lambda: self._load(
             request.session_id, rec.params.owner), lease_wait_s(self.store, context))
@@ -439,7 +447,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    session_lease_s: float = _S.session_lease_s,
                    resolve_interval_s: float = _S.resolve_interval_s,
                    admin_tokens: list[str] = (),
-                   max_sessions_per_principal: int = _S.max_sessions_per_principal) -> OrchestratorServicer:
+                   max_sessions_per_principal: int = _S.max_sessions_per_principal, max_running: int = 0,
+                   queue_timeout_s: float = _S.queue_timeout_s) -> OrchestratorServicer:
     """Connect to the target replicas (``target_addr``: comma-separated, ``dns:///`` names too; at least one must
     answer, all must serve the same model) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
@@ -489,7 +498,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
         return OrchestratorServicer(targets, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
                                     max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
                                     admin_tokens=admin_tokens,
-                                    max_sessions_per_principal=max_sessions_per_principal)
+                                    max_sessions_per_principal=max_sessions_per_principal,
+                                    max_running=max_running, queue_timeout_s=queue_timeout_s)
     except BaseException:
         targets.close()  # its health thread must not outlive a failed start
         raise
@@ -523,6 +533,10 @@ def serve(args: argparse.Namespace) -> None:
     if args.max_sessions < 1 or args.max_sessions_per_principal < 0:
         raise SystemExit("--max-sessions must be at least 1 and --max-sessions-per-principal 0 (= --max-sessions) "
                          "or more")
+    max_running = 0 if args.max_running == "auto" else int(args.max_running) if args.max_running.isdigit() else -1
+    if max_running < 0 or args.max_running == "0" or not args.queue_timeout_s > 0:
+        raise SystemExit(f"--max-running must be auto or at least 1 (got {args.max_running!r}), --queue-timeout-s "
+                         f"positive (got {args.queue_timeout_s})")
     if not args.resolve_interval_s > 0:
         raise SystemExit(f"--resolve-interval-s must be positive, got {args.resolve_interval_s}")
     for flag, addresses in (("--target", args.target), ("--draft", args.draft)):
@@ -567,7 +581,8 @@ def serve(args: argparse.Namespace) -> None:
                               local_datastore=args.local_datastore, session_lease_s=args.session_lease_s,
                               resolve_interval_s=args.resolve_interval_s,
                               admin_tokens=admin_tokens,
-                              max_sessions_per_principal=args.max_sessions_per_principal)
+                              max_sessions_per_principal=args.max_sessions_per_principal, max_running=max_running,
+                              queue_timeout_s=args.queue_timeout_s)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     if http is not None:

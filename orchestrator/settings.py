@@ -87,7 +87,14 @@ class ServerSettings:
         "MASTER (failover; commits wait for the replicas), or 'memory'")
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target's model)")
     max_new_tokens_limit: int = setting(2048, "the most tokens a request may ask for")
-    max_sessions: int = setting(64, "concurrent generations; more get RESOURCE_EXHAUSTED")
+    max_sessions: int = setting(64, "concurrent generations, running and queued; more get RESOURCE_EXHAUSTED")
+    max_running: str = setting(
+        "auto", "generations decoding at once; more wait in a FIFO queue (up to --max-sessions in all). auto: what "
+        "the target pool serves well, per replica the sessions it caches and batches in one forward (GetInfo "
+        "max_sessions, max_batch), summed over the replicas")
+    queue_timeout_s: float = setting(
+        120.0, "the longest a generation waits in the admission queue (or until its deadline); then "
+        "RESOURCE_EXHAUSTED (HTTP 429)")
     max_sessions_per_principal: int = setting(
         0, "concurrent generations of one caller (bearer token); more get RESOURCE_EXHAUSTED (0 = --max-sessions)")
     session_ttl_s: int = setting(3600, "how long a session is kept in the store after its last write")

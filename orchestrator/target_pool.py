@@ -75,7 +75,8 @@ def _short(value) -> str:
 
 def merge_infos(infos: list[common_pb2.ModelInfo]) -> common_pb2.ModelInfo:
     """One ModelInfo for replicas of the same model (IncompatibleTargets otherwise): the strictest limits, the
-    slowest replica's forward-cost profile."""
+    slowest replica's forward-cost profile. Capacities stay per replica (max_batch, and max_sessions: the fewest
+    any replica caches); the pool's own is TargetPool.capacity, their sum."""
     merged = common_pb2.ModelInfo()
     merged.CopyFrom(infos[0])
     for info in infos[1:]:
@@ -85,6 +86,7 @@ def merge_infos(infos: list[common_pb2.ModelInfo]) -> common_pb2.ModelInfo:
                 f"target replicas serve different models: {name} {_short(_field(info, name))} vs "
                 f"{_short(_field(merged, name))}; every target must serve the same model")
     merged.max_context = min(i.max_context for i in infos)
+    merged.max_sessions = min(i.max_sessions for i in infos)  # 0 (one does not say) stays 0: unknown
     limits = [i.max_draft_len for i in infos]
     merged.max_draft_len = 0 if not any(limits) else min(x for x in limits if x)
     profiled = [i for i in infos if len(i.forward_ms)]
@@ -209,6 +211,22 @@ class TargetPool(ReplicaPool):
     def sessions_per_replica(self) -> int:
         """The most sessions any replica holds now: how many one target forward batches (TargetCost)."""
         return max((r.sessions for r in self.replicas), default=0)
+
+    def capacity(self, fallback: common_pb2.ModelInfo) -> int:
+        """Generations the pool serves well at once (the orchestrator's --max-running auto): per replica, the
+        sessions it caches (ModelInfo.max_sessions), no more than one batched forward takes (max_batch, when it
+        batches), summed over the replicas not refused; `fallback` (the pool's ModelInfo) stands in for a replica
+        not asked yet. More sessions at once only share its cores (or evict each other's caches) until their calls
+        pass their deadlines. 0: a replica does not say (a target older than max_sessions)."""
+        total = 0
+        for r in list(self.replicas):
+            if r.refused is not None:
+                continue
+            info = r.info or fallback
+            if not info.max_sessions:
+                return 0
+            total += min(info.max_sessions, info.max_batch) if info.max_batch > 1 else info.max_sessions
+        return total
 
     def seat(self, session_id: str) -> "TargetSeat":
         return TargetSeat(self, session_id)

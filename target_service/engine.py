@@ -234,6 +234,10 @@ class TargetEngine:
     def vocab_size(self) -> int:
         return self.loaded.vocab_size
 
+    @property
+    def max_sessions(self) -> int:
+        return self.store.max_sessions
+
     def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
         """Milliseconds of one cached forward over n = 1 .. max_tokens new tokens (a verify of n - 1 drafts, or a
         batch's rows together) after `context` tokens: what a longer draft costs the target (measure_profile)."""
@@ -365,6 +369,10 @@ class TargetEngine:
     ) -> tuple[list[int], int, float]:
         t0 = time.perf_counter()
         gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
+        if len(delta) > 1:
+            # A prompt (or a resync): prefilled one at a time like a speculative session's (prefill()), not as a
+            # long row in a batch every decoding session waits for.
+            prefix_len, delta = self.prefill(session_id, prefix_len, delta[:-1]), delta[-1:]
         if self.batcher is not None:
             return self._decode_batched(session_id, prefix_len, delta, max_tokens, params, seed, step,
                                         stop_token_ids, gen, t0)

@@ -45,6 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_batch=engine.max_batch,
             kv_fingerprint=loaded.kv_fingerprint,
             max_draft_len=engine.max_draft_len,
+            max_sessions=engine.max_sessions,
         )
         component = {"specdec.component": "target"}
         telemetry.register_gauge("specdec.kv_cache.size", engine.cache_bytes, "By", "KV cache bytes held", component)

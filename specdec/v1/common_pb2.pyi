@@ -35,7 +35,7 @@ class Distribution(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., values_fp16: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms", "max_batch", "kv_fingerprint", "drafts_trees", "max_draft_len")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "max_context", "eos_token_ids", "device", "dtype", "strategy", "forward_ms", "max_batch", "kv_fingerprint", "drafts_trees", "max_draft_len", "max_sessions")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class ModelInfo(_message.Message):
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_TREES_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -62,7 +63,8 @@ class ModelInfo(_message.Message):
     kv_fingerprint: str
     drafts_trees: bool
     max_draft_len: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ..., max_batch: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., drafts_trees: _Optional[bool] = ..., max_draft_len: _Optional[int] = ...) -> None: ...
+    max_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., strategy: _Optional[str] = ..., forward_ms: _Optional[_Iterable[float]] = ..., max_batch: _Optional[int] = ..., kv_fingerprint: _Optional[str] = ..., drafts_trees: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class KvBlock(_message.Message):
     __slots__ = ("length", "layers", "kv_heads", "head_dim", "keys_fp16", "values_fp16", "fingerprint")

@@ -97,7 +97,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "fallback_steps", "fallback_tokens", "wall_ms", "tokens_per_second", "draft_failures", "decode_steps", "draft_failures_by_kind", "degraded_ms", "replica_failovers", "target_resyncs", "pipeline_prefetches", "pipeline_hits", "decode_ms", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed", "parallel_prefills", "kv_imports", "prefill_ms", "rpc_overhead_ms", "store_ms", "prefetch_wait_ms", "store_overlapped_ms")
+    __slots__ = ("prompt_tokens", "generated_tokens", "verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "fallback_steps", "fallback_tokens", "wall_ms", "tokens_per_second", "draft_failures", "decode_steps", "draft_failures_by_kind", "degraded_ms", "replica_failovers", "target_resyncs", "pipeline_prefetches", "pipeline_hits", "decode_ms", "load_shed_steps", "speculation_paused_steps", "draft_tokens_trimmed", "parallel_prefills", "kv_imports", "prefill_ms", "rpc_overhead_ms", "store_ms", "prefetch_wait_ms", "store_overlapped_ms", "queued_ms")
     class DraftFailuresByKindEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class GenerationStats(_message.Message):
     STORE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_OVERLAPPED_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     verify_steps: int
@@ -169,7 +170,8 @@ class GenerationStats(_message.Message):
     store_ms: float
     prefetch_wait_ms: float
     store_overlapped_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_failures: _Optional[int] = ..., decode_steps: _Optional[int] = ..., draft_failures_by_kind: _Optional[_Mapping[str, int]] = ..., degraded_ms: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., target_resyncs: _Optional[int] = ..., pipeline_prefetches: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., decode_ms: _Optional[float] = ..., load_shed_steps: _Optional[int] = ..., speculation_paused_steps: _Optional[int] = ..., draft_tokens_trimmed: _Optional[int] = ..., parallel_prefills: _Optional[int] = ..., kv_imports: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., rpc_overhead_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., prefetch_wait_ms: _Optional[float] = ..., store_overlapped_ms: _Optional[float] = ...) -> None: ...
+    queued_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_steps: _Optional[int] = ..., fallback_tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., draft_failures: _Optional[int] = ..., decode_steps: _Optional[int] = ..., draft_failures_by_kind: _Optional[_Mapping[str, int]] = ..., degraded_ms: _Optional[float] = ..., replica_failovers: _Optional[int] = ..., target_resyncs: _Optional[int] = ..., pipeline_prefetches: _Optional[int] = ..., pipeline_hits: _Optional[int] = ..., decode_ms: _Optional[float] = ..., load_shed_steps: _Optional[int] = ..., speculation_paused_steps: _Optional[int] = ..., draft_tokens_trimmed: _Optional[int] = ..., parallel_prefills: _Optional[int] = ..., kv_imports: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., rpc_overhead_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., prefetch_wait_ms: _Optional[float] = ..., store_overlapped_ms: _Optional[float] = ..., queued_ms: _Optional[float] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -35,6 +35,7 @@ class TargetBackend(Protocol):
     loaded: ModelDescription
     max_draft_len: int  # longest draft block one Verify may carry
     max_batch: int  # sessions whose blocks one forward verifies together (1: no batching)
+    max_sessions: int  # sessions whose KV caches it keeps (advertised in GetInfo for the orchestrator's admission)
     forward_ms: list[float]  # profile_forward_ms's result once measured; [] otherwise
 
     @property
