@@ -66,8 +66,9 @@ def test_bound_by_sessions_and_bytes_evicts_lru():
 
 
 def test_evicted_sessions_are_rebuilt_transparently(redis_url):
-    """Caches for one session only, two interleaved generations: every step misses and resyncs, output unchanged."""
-    stack = start_stack(redis_url, draft=DRAFT_EARLY, target_sessions=1, draft_sessions=1)
+    """Caches for one session only, two interleaved generations: every step misses and resyncs, output unchanged.
+    (--max-running auto would run one at a time on a one-session target: two are let in to oversubscribe it.)"""
+    stack = start_stack(redis_url, draft=DRAFT_EARLY, target_sessions=1, draft_sessions=1, max_running=2)
     try:
         prompts = [[1, 5, 9, 12], [3, 3, 20, 21]]
         refs = [stack.client.generate(p, max_new_tokens=150, speculation=False, ignore_eos=True).token_ids
