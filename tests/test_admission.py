@@ -15,7 +15,10 @@ from orchestrator.http_api import HttpServer
 from orchestrator.target_pool import merge_infos
 from specdec import observability as telemetry
 from specdec.v1 import common_pb2
-from tests.harness import TARGET, start_stack
+from specdec.core.kv_cache import SessionCacheStore
+from specdec.core.sampling import SamplingParams
+from target_service.engine import TargetEngine
+from tests.harness import TARGET, model, start_stack
 
 PROMPTS = [[1, 5, 9, 12], [3, 3, 20, 21], [7, 2, 7, 2, 40], [11, 13, 17], [4, 8, 15, 16, 23], [30, 1, 30, 2]]
 
@@ -145,6 +148,22 @@ def test_pool_capacity_is_the_replicas_cached_and_batched_sessions():
     assert pool.capacity(merged) == 0
 
 
+@pytest.mark.parametrize("window_ms", [0.0, 5.0])
+def test_a_target_only_prompt_prefills_through_the_one_at_a_time_gate(window_ms):
+    """A Decode carrying a prompt prefills it as a speculative session's Prefill does (one at a time, in arrival
+    order), not as a long row of a batch every decoding session waits for; the tokens are the same."""
+    engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=window_ms)
+    prefills, real = [], engine.prefill
+    engine.prefill = lambda sid, prefix_len, delta: prefills.append((sid, prefix_len, list(delta))) or real(
+        sid, prefix_len, delta)
+    prompt = PROMPTS[4]
+    whole = engine.verify("ref", 0, prompt, [], None, SamplingParams(), 0, 0).next_token  # one forward
+    tokens, cached, _ = engine.decode("s", 0, prompt, 3, SamplingParams(), 0, 0)
+    assert prefills == [("s", 0, prompt[:-1])] and tokens[0] == whole
+    engine.decode("s", cached, [tokens[-1]], 2, SamplingParams(), 0, 1)  # a step: nothing to prefill
+    assert len(prefills) == 1
+
+
 # -- through the services -----------------------------------------------------------------------------------------
 
 def count_sessions_at_target(engine, delay_s=0.0, gate: threading.Event | None = None):
@@ -186,12 +205,26 @@ def test_six_generations_with_two_running_all_complete_as_target_only(redis_url)
             results[i] = stack.client.generate(PROMPTS[i], max_new_tokens=24, ignore_eos=True,
                                                speculation=None if i % 2 else False)
 
+        gauges, done = {"queued": 0, "running": 0}, threading.Event()
+
+        def sample():  # the exported gauges, as a dashboard sees them
+            while not done.is_set():
+                snap = telemetry.snapshot()
+                for k in gauges:
+                    gauges[k] = max(gauges[k], telemetry.metric_value(snap, f"specdec.admission.{k}"))
+                done.wait(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
+        done.set()
+        sampler.join(5)
         after = telemetry.snapshot()
+        assert gauges["running"] <= 2 and gauges["queued"] >= 1, gauges
         assert [r.token_ids for r in results] == refs
         assert 1 <= peak[0] <= 2  # never more than two sessions at the target at once
         queued = [r.stats["queued_ms"] for r in results]
