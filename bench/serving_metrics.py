@@ -87,6 +87,7 @@ def summarise_level(records: list[RequestRecord], wall_s: float) -> dict:
     tpot = [r.tpot_s for r in done if r.tpot_s is not None]
     itl = [g for r in done for g in r.itl_s()]
     st = lambda k: sum(int(r.stats.get(k, 0) or 0) for r in done)  # noqa: E731
+    queued = [float(r.stats.get("queued_ms", 0.0) or 0.0) for r in done]  # the server's admission queue, in TTFT
     proposed, accepted = st("draft_tokens_proposed"), st("draft_tokens_accepted")
     verify, decode = st("verify_steps"), st("decode_steps")
     return {
@@ -95,6 +96,7 @@ def summarise_level(records: list[RequestRecord], wall_s: float) -> dict:
         "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
         "requests_per_s": len(done) / wall_s if wall_s > 0 else None,
         "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "queued_p50_ms": percentile(queued, 50), "queued_p99_ms": percentile(queued, 99),
         "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
         "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
         "acceptance_rate": accepted / proposed if proposed else None,

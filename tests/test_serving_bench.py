@@ -66,13 +66,14 @@ def test_request_latencies_follow_the_vllm_definitions():
 def test_level_summary_counts_tokens_steps_and_errors():
     stats = {"draft_tokens_proposed": 8, "draft_tokens_accepted": 6, "verify_steps": 3, "decode_steps": 1}
     recs = [_rec("a", [(0.1, 1), (0.2, 4), (0.3, 5)], 0.3, stats),
-            _rec("b", [(0.2, 2), (0.6, 8)], 0.7, stats),
+            _rec("b", [(0.2, 2), (0.6, 8)], 0.7, {**stats, "queued_ms": 100.0}),
             _rec("c", [], 0.0, error="UNAVAILABLE: gone")]
     recs[1].refusals = 2
     s = sm.summarise_level(recs, wall_s=2.0)
     assert (s["requests"], s["completed"], s["errors"], s["refusals"]) == (3, 2, 1, 2)
     assert s["output_tokens"] == 20 and s["tokens_per_s"] == 10.0 and s["requests_per_s"] == 1.0
     assert math.isclose(s["ttft_p50_ms"], 150.0) and math.isclose(s["ttft_p99_ms"], 199.0)
+    assert math.isclose(s["queued_p50_ms"], 50.0) and math.isclose(s["queued_p99_ms"], 99.0)  # inside the TTFT
     assert math.isclose(s["tpot_p50_ms"], 1e3 * statistics.fmean([0.2 / 9, 0.5 / 8]))
     assert s["acceptance_rate"] == 0.75 and s["speculated_step_share"] == 0.75
     assert s["first_error"] == "UNAVAILABLE: gone"
