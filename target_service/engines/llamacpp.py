@@ -12,6 +12,7 @@ the same llama_decode. Target-only decoding is a Verify of an empty block, so it
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import pathlib
 import threading
@@ -43,6 +44,14 @@ def import_llama_cpp():
     except ImportError as e:
         raise ImportError(f"the llama.cpp engine needs the llama_cpp module ({e}); {INSTALL_HINT}") from e
     return llama_cpp
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(gguf: str):
+    """The GGUF's tokenizer and its fingerprint: read once per file and process (reading it from the GGUF takes
+    seconds; engines of one process, tests' say, share it read-only)."""
+    tok = load_tokenizer(gguf)
+    return tok, tokenizer_fingerprint(tok)
 
 
 @dataclass
@@ -140,7 +149,7 @@ class LlamaCppEngine:
                               f"({context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
-        tok = load_tokenizer(str(path))
+        tok, fingerprint = _tokenizer(str(path))
         eos = eos_token_ids(None, tok)
         for special in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)):
             if 0 <= special and special not in eos:
@@ -150,7 +159,7 @@ class LlamaCppEngine:
         self.loaded = LlamaModelInfo(
             name=name, vocab_size=self._n_vocab,
             max_context=min(session_context, int(llama_cpp.llama_n_ctx_seq(self._ctx))),
-            eos_token_ids=eos, fingerprint=tokenizer_fingerprint(tok), tokenizer=tok,
+            eos_token_ids=eos, fingerprint=fingerprint, tokenizer=tok,
             dtype="llama.cpp " + desc.value.decode(errors="replace"))
         self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
         # Every llama_decode runs on this one thread. llama.cpp's OpenMP build gives each calling thread its own
