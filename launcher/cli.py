@@ -66,8 +66,7 @@ def _stack_config(args):
                        target_replicas=args.target_replicas,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
-                       max_sessions=StackConfig.max_sessions if args.max_sessions is None else args.max_sessions,
-                       tree_budget=args.tree_budget,
+                       max_sessions=args.max_sessions, tree_budget=args.tree_budget,
                        store=args.store, engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype,
                        pin_cpus=args.pin_cpus)
 
@@ -404,7 +403,9 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
                     help="the OpenAI-compatible HTTP API's port (docs/http.md; 0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
-    up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")
+    from launcher.stack import StackConfig
+
+    up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off", max_sessions=StackConfig.max_sessions)
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
     gen.add_argument("prompt", nargs="?", help="the prompt; - reads it from standard input (omit it with --resume)")
