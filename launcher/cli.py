@@ -34,6 +34,14 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-window-ms", type=float,
                    help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
                         "0 for `run`'s one session)")
+    p.add_argument("--max-sessions", type=int,
+                   help="concurrent generations the orchestrator admits; each target keeps a KV cache for as many "
+                        "(the llama.cpp engine allocates them at start, 45 MiB each for SmolLM2, within the "
+                        "target's --max-cache-mb; default: 64 for `up`, 1 for `run`'s one generation)")
+    p.add_argument("--tree-budget", type=int, default=StackConfig.tree_budget,
+                   help="tree speculation: the draft proposes a token tree of up to N nodes (0 = chains); a llama.cpp "
+                        "target then runs its unified KV cache, which trees need but which makes a session's greedy "
+                        "tokens depend on the other sessions' cache history (docs/engines.md)")
     p.add_argument("--store", choices=["redis", "memory"], default=StackConfig.store)
     p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="auto",
                    help="the target's engine (auto: llama.cpp for a GGUF target, the default SmolLM2 included, on a "
@@ -58,6 +66,7 @@ def _stack_config(args):
                        target_replicas=args.target_replicas,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
+                       max_sessions=args.max_sessions, tree_budget=args.tree_budget,
                        store=args.store, engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype,
                        pin_cpus=args.pin_cpus)
 
@@ -394,7 +403,9 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
                     help="the OpenAI-compatible HTTP API's port (docs/http.md; 0 = any free port)")
     up.add_argument("--metrics-base-port", type=int, default=9464,
                     help="Prometheus endpoints: orchestrator here, target +1, drafts +2.. (0 = off); read by `specdec stats`")
-    up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off")
+    from launcher.stack import StackConfig
+
+    up.set_defaults(func=cmd_up, batch_window_ms=5.0, pin_cpus="off", max_sessions=StackConfig.max_sessions)
 
     gen = sub.add_parser("generate", help="generate through a running orchestrator")
     gen.add_argument("prompt", nargs="?", help="the prompt; - reads it from standard input (omit it with --resume)")
@@ -413,7 +424,7 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["speculative", "target-only"], default="speculative")
     _stack_arguments(run)
     _generation_arguments(run)
-    run.set_defaults(func=cmd_run, batch_window_ms=0.0, pin_cpus="auto")
+    run.set_defaults(func=cmd_run, batch_window_ms=0.0, pin_cpus="auto", max_sessions=1)
 
     sub.add_parser("distill", help="distil a draft model from the target (see `specdec distill --help`)")
     sub.add_parser("certs", help="make a CA, one certificate per service and random secrets for mutual TLS "

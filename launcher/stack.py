@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from draft_service.settings import DraftSettings
-from orchestrator.settings import LoopConfig
+from orchestrator.settings import LoopConfig, ServerSettings
 from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
 from specdec.ops.redis_server import RedisServer, interrupts_deferred
 
@@ -137,6 +137,10 @@ class StackConfig:
     adaptive_draft_len: bool = LoopConfig.adaptive_draft_len
     pipeline: str = LoopConfig.pipeline  # off | on | auto
     batch_window_ms: float = 0.0  # target: batch concurrent sessions' steps within this window
+    # The orchestrator admits max_sessions generations; each target keeps that many sessions' caches (a llama.cpp
+    # target allocates a KV stream for each at start). Also read from orchestrator_args, where those win.
+    max_sessions: int = ServerSettings.max_sessions
+    tree_budget: int = LoopConfig.tree_budget  # >0: token trees; a llama.cpp target then runs its unified KV cache
     store: str = "redis"  # redis (a private redis-server) or memory
     # The target's engine (target_service/engines/select.py). The library keeps torch (tests and chaos runs count on
     # its KV export to the int8 draft); `specdec run/up` pass auto: llama.cpp for the GGUF on a CPU where installed.
@@ -294,6 +298,34 @@ class LocalStack:
         return ["--pipeline", self.cfg.pipeline,
                 "--adaptive-draft-len" if self.cfg.adaptive_draft_len else "--no-adaptive-draft-len"]
 
+    def _orchestrator_setting(self, flag: str, default: int) -> int:
+        """The value the orchestrator gets for `flag`: its last one in cfg.orchestrator_args (as argparse reads
+        them), else `default`."""
+        value, args = default, self.cfg.orchestrator_args
+        for i, arg in enumerate(args):
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"orchestrator argument {flag} {value!r} is not a number") from None
+
+    def _sessions(self) -> list[str]:
+        """The orchestrator's admission and tree settings (cfg.orchestrator_args, later on its command line, win)."""
+        args = ["--max-sessions", str(self.cfg.max_sessions)]
+        return args + (["--tree-budget", str(self.cfg.tree_budget)] if self.cfg.tree_budget else [])
+
+    def target_cache_args(self) -> list[str]:
+        """A target keeps a cache for every session the orchestrator admits (a llama.cpp target sizes its KV
+        streams from it at start), and a llama.cpp target verifies token trees only on its unified KV cache: a
+        tree budget turns that on (a session's greedy tokens then depend on the other sessions' cache history)."""
+        args = ["--max-sessions", str(self._orchestrator_setting("--max-sessions", self.cfg.max_sessions))]
+        if self.engine == "llamacpp" and self._orchestrator_setting("--tree-budget", self.cfg.tree_budget) > 0:
+            args.append("--llama-kv-unified")
+        return args
+
     def _batching(self) -> list[str]:
         return ["--batch-window-ms", str(self.cfg.batch_window_ms)] if self.cfg.batch_window_ms > 0 else []
 
@@ -361,7 +393,8 @@ class LocalStack:
                 name = "target" if i == 0 else f"target{i}"
                 self.targets.append(ServiceProcess(
                     name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(self.target_threads),
-                           "--engine", self.engine, *self._target_metrics(i), *self._batching(), *self._affinity(name), *cfg.target_args],
+                           "--engine", self.engine, *self._target_metrics(i), *self._batching(), *self._affinity(name),
+                           *self.target_cache_args(), *cfg.target_args],
                     self.log_dir))
                 self.targets[-1].start()  # tracked before its process exists: a Ctrl-C now still stops it
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
@@ -391,7 +424,7 @@ class LocalStack:
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
-                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._metrics(0),
+                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._sessions(), *self._metrics(0),
                 "--http-listen", "" if self.cfg.http_port is None else f"{self.cfg.host}:{self.cfg.http_port}",
                 *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir)

@@ -26,16 +26,24 @@ class TargetSettings:
         "llamacpp (a GGUF in llama.cpp's quantized CPU kernels); auto: llamacpp for a GGUF on a CPU when "
         "llama-cpp-python is installed, else torch", choices=("auto", "llamacpp", "torch"))
     llama_context: int = setting(
-        16384, "llama.cpp engine: KV cache cells in all (f16, 22.5 KiB a token for SmolLM2); per-session streams: "
-        "at most llama_context / llama_session_context - 1 sessions are kept")
+        0, "llama.cpp engine: KV cache cells in all, an upper bound (f16, 22.5 KiB a cell for SmolLM2); 0 = auto: "
+        "a stream of --llama-session-context cells for each of --max-sessions sessions and one spare, within "
+        "--max-cache-mb (llama.cpp allocates them all at start)")
     llama_session_context: int = setting(
         2048, "llama.cpp engine: each session's own KV stream, its context limit (per-session streams make greedy "
-        "output independent of the other sessions)")
+        "output independent of the other sessions); rounded up to llama.cpp's 256 cells; when --max-cache-mb cannot "
+        "hold --max-sessions streams it shrinks (to 1024 at least) before fewer sessions are kept, with a warning")
     llama_kv_unified: bool = setting(
         False, "llama.cpp engine: one KV pool shared by all sessions instead of a stream each; needed for tree "
-        "speculation, but a session's greedy tokens then depend on the other sessions' cache history")
-    max_sessions: int = setting(64, "KV caches kept (LRU)")
-    max_cache_mb: int = setting(4096, "KV cache bytes kept (LRU)")
+        "speculation (`specdec run/up --tree-budget N` turn it on), but a session's greedy tokens then depend on the "
+        "other sessions' cache history (not batch-invariant)")
+    max_sessions: int = setting(
+        64, "KV caches kept (LRU); the llama.cpp engine allocates a stream for each at start (`specdec run/up` pass "
+        "their orchestrator's --max-sessions)")
+    max_cache_mb: int = setting(
+        4096, "KV cache bytes kept (LRU), the llama.cpp engine's budget for its streams: 4096 holds 64 SmolLM2 "
+        "sessions of 2048 tokens (2.9 GiB in f16) with most of a 24 GiB, 2-core host to spare; a larger model gets "
+        "shorter session contexts, then fewer sessions, with a warning")
     max_draft_len: int = setting(MAX_DRAFT_LEN, "the most draft tokens one Verify may carry (advertised in GetInfo)")
     batch_window_ms: float = setting(
         0.0, "collect concurrent Verify calls this long and run them as one batched forward (0 = off)")

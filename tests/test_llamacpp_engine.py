@@ -42,7 +42,8 @@ def make_engine(**kw):
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, **{"context_tokens": 16384, **kw})
+    # 7 sessions of 2048 tokens: 16384 KV cells with the profile's stream
+    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, **{"max_sessions": 7, **kw})
 
 
 @pytest.fixture(scope="module")

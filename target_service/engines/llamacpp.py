@@ -3,7 +3,8 @@ quantized CPU kernels instead of being dequantized to float32 for PyTorch.
 
 One llama context holds every session: a session is a sequence (seq_id) with its own KV stream of
 `session_tokens` cells (kv_unified=False), so its logits do not depend on the other sessions; kv_unified=True
-shares one pool of `context_tokens` cells (needed for trees, not batch-invariant). A Verify is one llama_decode of the new context tokens plus the draft block, with
+shares one pool of cells (needed for trees, not batch-invariant). The cache is sized for `max_sessions` sessions
+within a memory budget (llama_cache.py). A Verify is one llama_decode of the new context tokens plus the draft block, with
 logits for the block's rows; the verdict is specdec.core.sampling's (the same code as the PyTorch engine), and the
 rejected positions leave the sequence (llama_memory_seq_rm). The batcher's jobs from several sessions go into
 the same llama_decode. Target-only decoding is a Verify of an empty block, so it runs the same code path."""
@@ -11,6 +12,7 @@ the same llama_decode. Target-only decoding is a Verify of an empty block, so it
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import pathlib
 import threading
@@ -26,6 +28,7 @@ from specdec.core import sampling
 from specdec.core import tree
 from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
+from target_service.engines.llama_cache import plan_cache
 from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome, decode_as_verify_steps, measure_profile
 
 log = logging.getLogger("specdec.target.llamacpp")
@@ -41,6 +44,14 @@ def import_llama_cpp():
     except ImportError as e:
         raise ImportError(f"the llama.cpp engine needs the llama_cpp module ({e}); {INSTALL_HINT}") from e
     return llama_cpp
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(gguf: str):
+    """The GGUF's tokenizer and its fingerprint: read once per file and process (reading it from the GGUF takes
+    seconds; engines of one process, tests' say, share it read-only)."""
+    tok = load_tokenizer(gguf)
+    return tok, tokenizer_fingerprint(tok)
 
 
 @dataclass
@@ -68,10 +79,12 @@ class _Sequence:
 class LlamaCppEngine:
     """The target_service.engines.base.TargetBackend interface on llama.cpp."""
 
-    def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 16384,
+    def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 0,
                  max_sessions: int = 64, max_draft_len: int = 16, batch_window_ms: float = 0.0, max_batch: int = 16,
                  batch_wait_fraction: float = 0.5, batch_tokens: int = 512, kv_unified: bool = False,
-                 session_tokens: int = 2048):
+                 session_tokens: int = 2048, kv_budget_mib: int = 4096):
+        """context_tokens: KV cells in all, 0 = enough for max_sessions sessions of session_tokens (and the
+        profile's stream); kv_budget_mib bounds them (target_service/engines/llama_cache.py)."""
         llama_cpp = import_llama_cpp()
         self._ll = llama_cpp
         from llama_cpp import _logger
@@ -89,30 +102,38 @@ class LlamaCppEngine:
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
+        # f16 keys and values (the context's default cache type)
+        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
+            llama_cpp.llama_model_n_head_kv(self._model) * head_dim
+        # Sequence ids: the sessions', one for the profile (it never evicts a session), and on the unified cache
+        # a tree's scratch ones.
+        reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
+        asked_context = min(n_ctx_train, session_tokens)
+        try:
+            plan = plan_cache(max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
+                              budget_mib=kv_budget_mib, context_cells=context_tokens, reserved_sequences=reserved,
+                              max_sequences=int(llama_cpp.llama_max_parallel_sequences()), unified=kv_unified)
+        except ValueError:
+            llama_cpp.llama_model_free(self._model)
+            raise
+        if plan.shortfall:
+            log.warning(plan.describe(max_sessions, asked_context))
+        self.cache_plan = plan
+        self.max_sessions = plan.sessions
+        session_context = min(n_ctx_train, plan.session_context)
+        context_tokens = plan.cells
         cparams = llama_cpp.llama_context_default_params()
+        cparams.n_seq_max = plan.sessions + reserved
         if kv_unified:
-            # Sequence ids: the sessions', one for the profile (it never evicts a session), then a tree's scratch
-            # ones. One pool of cells for all: a session's cells land wherever others left holes, which changes
-            # the attention's summation order, so greedy output can differ with the cache's history.
-            self.max_sessions = max(1, min(max_sessions,
-                                           int(llama_cpp.llama_max_parallel_sequences()) - 1 - MAX_TREE_LEAVES))
+            # One pool of cells for all: a session's cells land wherever others left holes, which changes the
+            # attention's summation order, so greedy output can differ with the cache's history.
             self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
-            cparams.n_seq_max = self.max_sessions + 1 + MAX_TREE_LEAVES
-            session_context = min(n_ctx_train, context_tokens)
         else:
             # Each sequence its own stream of session_context cells, filled from cell 0 in position order: a
-            # session's logits do not depend on the other sessions (batch-invariant greedy output). The cell
-            # budget context_tokens bounds the streams: the sessions' and the profile's. No tree scratch streams.
-            session_context = min(n_ctx_train, session_tokens, context_tokens // 2)
-            streams = max(2, min(max_sessions + 1, context_tokens // session_context,
-                                 int(llama_cpp.llama_max_parallel_sequences())))
-            self.max_sessions = streams - 1
-            if self.max_sessions < max_sessions:
-                log.warning("llama.cpp engine keeps %d sessions, not %d: %d KV cells hold %d streams of %d",
-                            self.max_sessions, max_sessions, context_tokens, streams, session_context)
+            # session's logits do not depend on the other sessions (batch-invariant greedy output). No tree
+            # scratch streams.
             self._scratch_ids = []
-            cparams.n_seq_max = streams
-            context_tokens = streams * session_context
         self.kv_unified = kv_unified
         self.context_tokens = context_tokens
         self.batch_tokens = batch_tokens
@@ -123,14 +144,12 @@ class LlamaCppEngine:
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
-            raise MemoryError(f"llama.cpp could not create a context of {context_tokens} tokens")
+            llama_cpp.llama_model_free(self._model)
+            raise MemoryError(f"llama.cpp could not create a context of {context_tokens} tokens "
+                              f"({context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
-        head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
-        # f16 keys and values (the context's default cache type)
-        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
-            llama_cpp.llama_model_n_head_kv(self._model) * head_dim
-        tok = load_tokenizer(str(path))
+        tok, fingerprint = _tokenizer(str(path))
         eos = eos_token_ids(None, tok)
         for special in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)):
             if 0 <= special and special not in eos:
@@ -140,7 +159,7 @@ class LlamaCppEngine:
         self.loaded = LlamaModelInfo(
             name=name, vocab_size=self._n_vocab,
             max_context=min(session_context, int(llama_cpp.llama_n_ctx_seq(self._ctx))),
-            eos_token_ids=eos, fingerprint=tokenizer_fingerprint(tok), tokenizer=tok,
+            eos_token_ids=eos, fingerprint=fingerprint, tokenizer=tok,
             dtype="llama.cpp " + desc.value.decode(errors="replace"))
         self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
         # Every llama_decode runs on this one thread. llama.cpp's OpenMP build gives each calling thread its own

@@ -73,7 +73,8 @@ def build_engine(args: argparse.Namespace):
                               context_tokens=args.llama_context, max_sessions=args.max_sessions,
                               max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
                               max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction,
-                              kv_unified=args.llama_kv_unified, session_tokens=args.llama_session_context)
+                              kv_unified=args.llama_kv_unified, session_tokens=args.llama_session_context,
+                              kv_budget_mib=args.max_cache_mb)
     from specdec.core.kv_cache import SessionCacheStore
     from specdec.models import load_model
     from target_service.engine import TargetEngine
