@@ -141,7 +141,7 @@ def _resume_hint(args) -> str:
     sid = args.progress["session_id"]
     if not sid or args.command != "generate":
         return ""
-    return (f"the session is kept; continue it with: specdec generate --address {args.address} --resume {sid} "
+    return (f"the session is kept; continue it with: specdec generate --address {args.address} --resume={sid} "
             f"--resume-from {args.progress['next_token']}")
 
 

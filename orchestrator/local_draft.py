@@ -78,7 +78,7 @@ class LocalDraftClient(DraftClient):
 
     def __init__(self, address: str, servicer):
         self.address = address
-        self.channel = None  # no channel: DraftReplica then has no health stub and follows no Health.Watch
+        self.channel = None  # no channel: DraftReplica then has no health stub (never health-checked)
         self.servicer = servicer
         self.stub = _Stub(servicer)
 

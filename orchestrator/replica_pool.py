@@ -1,4 +1,4 @@
-"""Replicas of one service behind one interface: health checking, a circuit breaker per replica, rendezvous ranking
+"""Replicas of one service behind one interface: periodic health checks, a circuit breaker per replica, rendezvous ranking
 for session affinity, DNS discovery. The draft pool (orchestrator/draft_pool.py) and the target pool
 (orchestrator/target_pool.py) are this with their own clients and placement rules.
 
@@ -98,9 +98,12 @@ class CircuitBreaker:
 
 
 class Replica:
-    """One service replica: its client (a channel), breaker, health watch and ModelInfo."""
+    """One service replica: its client (a channel), breaker and ModelInfo.
 
-    WATCH = True  # follow Health.Watch (else the periodic health checks and failed calls open the breaker)
+    Health is the pool's periodic Health.Check, never a standing Health.Watch stream: a session's own failing call
+    is the fastest signal that a replica went away, the checks see it go (within an interval) and come back, and a
+    server stopping with several watch streams open can deadlock in grpc's health servicer (its graceful-shutdown
+    status push waits on a stream whose callback waits on the servicer's lock)."""
 
     def __init__(self, address: str, breaker: CircuitBreaker, client):
         self.address = address
@@ -109,47 +112,7 @@ class Replica:
         self.health_stub = None if self.client.channel is None else health_pb2_grpc.HealthStub(self.client.channel)
         self.info = None
         self.refused: str | None = None  # set when the replica turned out incompatible; never used then
-        self.watch = None  # the Health.Watch stream held open on the replica's channel (watch_health)
-        self.watch_stopped = False
-        self.watch_confirmed = threading.Event()  # the stream's first SERVING message arrived
         self.owns_client = True  # False: the caller built the client and closes it (TargetPool.of_client)
-
-    def watch_health(self) -> None:
-        """Follow the replica's Health.Watch stream: a replica that goes away or reports itself not serving (a
-        graceful shutdown) opens the breaker at once instead of at the next poll, and the stream is ended then (a
-        stopping server would otherwise wait out its grace period for it). The standing call also keeps grpc's
-        per-channel event thread alive: grpc starts that thread whenever a call that is not blocking (a pipelined
-        prefetch's future) finds no other such call in flight, and ends it after; ~0.2-0.3 ms more per prefetched
-        Propose here without a standing call."""
-        if (not self.WATCH or self.health_stub is None or self.watch_stopped
-                or (self.watch is not None and self.watch.running())):
-            return
-        try:
-            self.watch = self.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
-        except ValueError:  # the channel is closed: shutting down
-            return
-        threading.Thread(target=self._follow, args=(self.watch,), name=f"{self.breaker.kind}-watch",
-                         daemon=True).start()
-
-    def _follow(self, call) -> None:
-        try:
-            for msg in call:
-                if msg.status == health_pb2.HealthCheckResponse.SERVING:
-                    self.watch_confirmed.set()
-                else:
-                    self.breaker.health_failed()
-                    call.cancel()
-                    return
-        except grpc.RpcError:  # the replica went away (a server stopping without grace cancels the stream too)
-            if not self.watch_stopped:
-                self.breaker.health_failed()
-        except ValueError:  # the channel was closed under it
-            pass
-
-    def stop_watch(self) -> None:
-        self.watch_stopped = True
-        if self.watch is not None:
-            self.watch.cancel()
 
     def check_health(self, timeout: float) -> bool:
         try:
@@ -199,8 +162,6 @@ class ReplicaPool:
         self.resolve_interval_s = resolve_interval_s
         self.on_info = on_info
         self._stop = threading.Event()
-        for r in self.replicas:
-            r.watch_health()
         self._thread = threading.Thread(target=self._health_loop, name=f"{self.KIND}-health", daemon=True)
         self._thread.start()
         self._resolver = None
@@ -248,13 +209,10 @@ class ReplicaPool:
                 self._close_retired()
                 if list(current) == addresses:
                     return addresses
-                for r in joined:
-                    r.watch_health()
                 by_address = {**current, **{r.address: r for r in joined}}
                 self.replicas = [by_address[a] for a in addresses]
                 left = [r for a, r in current.items() if a not in addresses]
                 for r in left:
-                    r.stop_watch()
                     r.breaker.on_open = None
                     r.breaker.health_failed()  # anyone still holding it treats it as down
                     self._retired.append((time.monotonic(), r))
@@ -288,10 +246,7 @@ class ReplicaPool:
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval_s):
             for r in self.replicas:
-                healthy = r.check_health(self.health_timeout_s)
-                if healthy and not self._stop.is_set():
-                    r.watch_health()  # again, once a replica that went away answers
-                if healthy:
+                if r.check_health(self.health_timeout_s):
                     self._ask_info(r)
 
     def ranking(self, session_id: str) -> list[Replica]:
@@ -313,7 +268,6 @@ class ReplicaPool:
         self._resolve_soon.set()
         with self._lock:
             for r in self.replicas:
-                r.stop_watch()
                 if r.owns_client:
                     r.client.close()
             self._close_retired(everything=True)

@@ -99,10 +99,6 @@ def merge_infos(infos: list[common_pb2.ModelInfo]) -> common_pb2.ModelInfo:
 
 
 class TargetReplica(Replica):
-    # No standing Health.Watch: a session's own call sees a target go away at once (and moves), the periodic checks
-    # see it come back; and a server stopping with several watch streams open can hang in grpc's health servicer.
-    WATCH = False
-
     def __init__(self, address: str, breaker: CircuitBreaker, client: TargetClient):
         super().__init__(address, breaker, client)
         self.sessions = 0  # sessions placed here now (TargetPool's lock)

@@ -111,10 +111,10 @@ def test_generate_prints_the_text_and_resume_replays_it(orchestrator, capsys):
                              "--max-new-tokens", "12", "--json")
     first = json.loads(out)
     assert rc == 0 and len(first["token_ids"]) == 12 and first["finish_reason"] == "length"
-    rc, out, err = _generate(capsys, "--resume", first["session_id"], "--resume-from", "5",
+    rc, out, err = _generate(capsys, f"--resume={first['session_id']}", "--resume-from", "5",
                              "--address", orchestrator.orchestrator_server.address, "--json")
     assert rc == 0 and json.loads(out)["token_ids"] == first["token_ids"][5:]
-    rc, out, err = _generate(capsys, "--resume", first["session_id"], "--address", orchestrator.orchestrator_server.address)
+    rc, out, err = _generate(capsys, f"--resume={first['session_id']}", "--address", orchestrator.orchestrator_server.address)
     assert rc == 0 and out == first["text"] + "\n" and "-- 12 tokens, finish=length" in err
 
 
@@ -130,6 +130,19 @@ def test_a_prompt_from_standard_input(orchestrator, capsys, monkeypatch):
 
 
 @pytest.mark.serial  # a signal sent while tokens stream
+def test_the_printed_resume_command_parses_for_a_session_id_that_starts_with_a_dash():
+    """Session ids are base64url: one in 64 starts with '-', which `--resume ID` would read as an option."""
+    import types
+
+    from launcher.cli import _resume_hint, build_parser
+
+    args = types.SimpleNamespace(command="generate", address="127.0.0.1:1",
+                                 progress={"session_id": "-L3s1CqIdakFsHM_hMX0qKwe", "next_token": 5})
+    command = _resume_hint(args).split("continue it with: specdec ", 1)[1].split()
+    parsed = build_parser().parse_args(command)
+    assert (parsed.resume, parsed.resume_from, parsed.address) == ("-L3s1CqIdakFsHM_hMX0qKwe", 5, "127.0.0.1:1")
+
+
 def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator):
     """Ctrl-C mid-stream: exit 130 with the command that continues the session; running it yields exactly the
     tokens the interrupted stream had not delivered (against an uninterrupted target-only reference)."""
@@ -154,7 +167,7 @@ def test_ctrl_c_stops_the_stream_and_the_printed_command_resumes_it(orchestrator
     err = err.decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "specdec generate: CANCELLED: stopped (Ctrl-C)" in err
-    hint = re.search(r"continue it with: specdec (generate --address \S+ --resume (\S+) --resume-from (\d+))", err)
+    hint = re.search(r"continue it with: specdec (generate --address \S+ --resume=(\S+) --resume-from (\d+))", err)
     assert hint, err
     received = int(hint.group(3))
     assert 0 < received < n, "interrupted too late to test a resume"

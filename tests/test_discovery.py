@@ -106,7 +106,7 @@ def test_each_resolved_address_is_a_replica_and_replicas_join_and_leave(monkeypa
     try:
         first, second = pool.replicas
         assert (first.address, second.address) == ("127.0.0.1:1", "127.0.0.2:1")
-        assert first.client.channel is not second.client.channel  # a channel, a health watch, a breaker each
+        assert first.client.channel is not second.client.channel  # a channel, a health stub, a breaker each
         assert first.breaker is not second.breaker
         second.breaker.failure()
         second.breaker.failure()

@@ -1,5 +1,5 @@
 """The draft replicas' circuit breaker (closed -> open -> half-open with one probe -> closed or open again) and the
-pool's health watch."""
+pool's periodic health checks."""
 
 from __future__ import annotations
 
@@ -94,19 +94,17 @@ def _wait(cond, timeout: float = 5.0) -> bool:
 
 @pytest.mark.serial  # time bounds on a server's stop: alone on the cores (scripts/test.sh)
 @pytest.mark.parametrize("grace", [0.0, 5.0])
-def test_health_watch_opens_the_breaker_when_a_replica_goes_away(grace):
-    """The pool follows each replica's Health.Watch stream: a stopped replica (killed: grace 0; graceful: it says
-    NOT_SERVING first) opens its breaker without waiting for the next health poll, and a graceful stop does not
-    wait out its grace period for the stream."""
+def test_health_checks_open_the_breaker_when_a_replica_goes_away(grace):
+    """A stopped replica (killed: grace 0; graceful: it refuses new calls) fails the pool's next health check, which
+    opens its breaker before any session calls it; a graceful stop has no stream of the pool's to wait out."""
     from orchestrator.draft_pool import DraftPool
     from tests.harness import start_draft
 
     server = start_draft("ngram")
-    pool = DraftPool([server.address], health_interval_s=60.0)  # no poll during the test
+    pool = DraftPool([server.address], health_interval_s=0.5)
     try:
         replica = pool.replicas[0]
-        # the server has taken the stream (a stop racing a call it has not accepted yet leaves that call hanging)
-        assert _wait(replica.watch_confirmed.is_set)
+        assert _wait(lambda: replica.check_health(1.0))
         assert replica.breaker.state == CLOSED
         t0 = time.monotonic()
         server.stop(grace)
@@ -114,3 +112,30 @@ def test_health_watch_opens_the_breaker_when_a_replica_goes_away(grace):
         assert _wait(lambda: replica.breaker.state == OPEN, 2.0)
     finally:
         pool.close()
+
+
+@pytest.mark.serial  # time bounds on a server's stop
+def test_a_draft_server_watched_by_several_orchestrators_stops_promptly():
+    """Four orchestrators' pools on one draft service. A pool holding a Health.Watch stream per replica made the
+    server's graceful shutdown deadlock in grpc's health servicer (the NOT_SERVING push to one stream waits while
+    that stream's callback waits for the servicer's lock): a stop hung for good in some runs. Each stop runs in a
+    thread so that a hang fails the test instead of holding it."""
+    import threading
+
+    from orchestrator.draft_pool import DraftPool
+    from tests.harness import start_draft
+
+    for attempt in range(4):
+        server = start_draft("ngram")
+        pools = [DraftPool([server.address], health_interval_s=0.1) for _ in range(4)]
+        try:
+            assert _wait(lambda: all(p.replicas[0].check_health(1.0) for p in pools))
+            time.sleep(0.3)  # several health checks in between
+            stopper = threading.Thread(target=server.stop, args=(1.0,), daemon=True)
+            t0 = time.monotonic()
+            stopper.start()
+            stopper.join(3.0)
+            assert not stopper.is_alive(), f"stop {attempt} still running after {time.monotonic() - t0:.1f} s"
+        finally:
+            for p in pools:
+                p.close()

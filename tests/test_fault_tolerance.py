@@ -46,7 +46,7 @@ def test_draft_killed_mid_generation_then_speculation_resumes(redis_url):
         addr = stack.draft_server.address
         tokens, stats = stream_with_hook(stack, 200, 10, lambda: stack.draft_servers[0].stop(0))
         assert tokens == ref
-        # Degraded to target-only: after a failed Propose, or after the pool's health watch saw the replica go and
+        # Degraded to target-only: after a failed Propose, or after the pool's health check saw the replica go and
         # opened its breaker first (then no call fails).
         assert stats.fallback_steps > 0 and stats.fallback_tokens > 0 and stats.degraded_ms > 0
         assert stats.draft_failures > 0 or stack.servicer.pool.replicas[0].breaker.state != "closed"
@@ -86,7 +86,7 @@ def test_failover_to_another_replica(redis_url):
                 sid_holder["killed"] = True
                 kill_affine_replica()
         assert tokens == ref
-        # Either a Propose to the dead replica failed or its health watch opened the breaker first (then
+        # Either a Propose to the dead replica failed or its health check opened the breaker first (then
         # no call fails); both end in a failover.
         assert stats.replica_failovers >= 1
         assert stats.draft_failures >= 1 or sid_holder["killed_replica"].breaker.state != "closed"
@@ -153,8 +153,8 @@ def test_slow_draft_times_out_and_output_is_unchanged(redis_url):
         addr = stack.draft_server.address
         stack.draft_servers[0].stop(0)
         stack.draft_servers[0] = start_draft(DRAFT_SAME, address=addr, inject_latency_ms=3000)
-        # The stop ended the pool's health watch, which opened the breaker: wait for a health check to see the
-        # restarted (slow) replica, so the generation calls it.
+        # A health check may have seen the stop and opened the breaker: wait for one to see the restarted (slow)
+        # replica, so the generation calls it.
         breaker = stack.servicer.pool.replicas[0].breaker
         deadline = time.monotonic() + 10
         while breaker.state == "open" and time.monotonic() < deadline:

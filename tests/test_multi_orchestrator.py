@@ -122,7 +122,7 @@ def test_orchestrator_killed_mid_stream_is_resumed_through_the_other(cluster, re
     waited = first_at[0] - killed_at[0]
     assert LEASE_S / 2 < waited < LEASE_S + 1.5, f"B answered {waited:.2f} s after A died (lease {LEASE_S} s)"
     # A replay of the finished session through B, as a person would type it.
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--address", b_addr, "--resume", sid,
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--address", b_addr, f"--resume={sid}",
                           "--resume-from", "100", "--json"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -119,8 +119,8 @@ def test_one_generate_is_one_connected_trace(stack, spans):
 def test_degraded_decode_is_traced_and_counted(redis_url, spans):
     s = harness.start_stack(redis_url, draft="ngram")
     try:
-        # A draft that answers its health checks but fails every Propose (a stopped one opens its breaker at once,
-        # through the pool's health watch, and is never called).
+        # A draft that answers its health checks but fails every Propose (a stopped one fails a health check, which
+        # opens its breaker, and may never be called).
         def broken(*args, **kwargs):
             raise RuntimeError("draft broke")
 

@@ -4,6 +4,8 @@ bounded load, breakers), moved at once to another when its replica fails, and th
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -128,39 +130,49 @@ def test_an_orchestrator_refuses_targets_of_different_models_at_start(redis_url)
             s.stop(0)
 
 
-def test_up_with_two_target_replicas_reports_both(tmp_path):
+def _listening_pid(parent_pid: int, port: int) -> int:
+    """The child of `parent_pid` that listens on TCP `port` (Linux /proc: the socket's inode among its fds)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(cols[9])
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent_pid:
+                    continue
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:  # a process that ended meanwhile
+            continue
+        if any(f"socket:[{i}]" in links for i in inodes):
+            return pid
+    raise AssertionError(f"no child of {parent_pid} listens on port {port}")
+
+
+@pytest.mark.serial  # the kill must land while the generation runs
+def test_up_with_two_targets_reports_both_and_a_generation_whose_target_is_killed_moves_to_the_other(tmp_path):
+    """`specdec up --target-replicas 2` reports both targets; a generation whose target is SIGKILLed moves to the
+    other without waiting for the grace period (the default --target-grace-s, 30 s). One stack for both checks:
+    starting one costs tens of seconds here."""
+    grace_s = 30.0
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", "--metrics-base-port", "0",
                              "--target-model", TINY, "--draft-strategy", "local-ngram", "--store", "memory",
                              "--target-replicas", "2", "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = None
     try:
         line = proc.stdout.readline()  # the JSON line, once everything serves
         report = json.loads(line)
         assert len(report["targets"]) == 2 and len(set(report["targets"])) == 2
         assert report["target"] == report["targets"][0]
-        client = SpecdecClient(report["orchestrator"], timeout_s=60)
-        try:
-            assert len(client.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True).token_ids) == 8
-        finally:
-            client.close()
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
+        client = SpecdecClient(report["orchestrator"], timeout_s=120)
+        assert len(client.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True).token_ids) == 8
 
-
-@pytest.mark.serial  # the kill must land while the generation runs
-def test_a_generation_whose_target_is_killed_moves_to_the_other_and_does_not_wait_for_the_grace_period(tmp_path):
-    from launcher.stack import LocalStack, StackConfig
-
-    grace_s = 30.0
-    cfg = StackConfig(target_model=TINY, draft_strategy="local-ngram", target_replicas=2, store="memory",
-                      orchestrator_args=["--target-grace-s", str(grace_s)])
-    stack = LocalStack(cfg, str(tmp_path)).start(timeout=180)
-    client = SpecdecClient(stack.address, timeout_s=120)
-    try:
         prompt, n = [1, 5, 9, 12, 5, 9], 900
         reference = client.generate(prompt, max_new_tokens=n, ignore_eos=True, speculation=False).token_ids
-        by_address = {t.address: t for t in stack.targets}
         tokens, killed_at, stats = [], None, None
         for msg in client.stream(prompt, max_new_tokens=n, ignore_eos=True):
             tokens += msg.token_ids
@@ -168,9 +180,9 @@ def test_a_generation_whose_target_is_killed_moves_to_the_other_and_does_not_wai
                 stats = msg.stats
             if killed_at is None and len(tokens) >= 8:
                 # One session, nothing else placed: it is on the top of its rendezvous ranking.
-                victim = by_address[max(by_address, key=lambda a: rank(msg.session_id, a))]
+                victim = max(report["targets"], key=lambda a: rank(msg.session_id, a))
                 assert len(tokens) < n, "the generation ended before the kill"
-                victim.kill()  # SIGKILL
+                os.kill(_listening_pid(proc.pid, int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
                 killed_at = time.monotonic()
         finished_in = time.monotonic() - killed_at
         assert tokens == reference
@@ -180,8 +192,10 @@ def test_a_generation_whose_target_is_killed_moves_to_the_other_and_does_not_wai
         assert client.generate(prompt, max_new_tokens=40, ignore_eos=True, speculation=False).token_ids == \
             reference[:40]
     finally:
-        client.close()
-        stack.stop()
+        if client is not None:
+            client.close()
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_moves(redis_url):
