@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> dict:
     reference = {}
     for s in baseline.samples:
         reference.setdefault(s.prompt, s.tokens)
-    rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
+    rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
     res.update(engine=services.engine, engine_reason=services.engine_reason, target_threads=services.target_threads)
