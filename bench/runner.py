@@ -90,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of the batch and stops drafting when that does not pay)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
     p.add_argument("--warmup-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per model service and torch threads in this process (a llama.cpp target drafting "
+                        "in the orchestrator also gets the draft's, as `specdec run` gives it)")
     p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
                    help="auto: the target and the draft services on CPUs of their own, as `specdec run` starts them "
                         "(specdec/ops/cpu_affinity.py); off: the OS scheduler places them")
