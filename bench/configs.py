@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+
 
 @dataclass
 class Sample:
@@ -100,8 +102,6 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram", engine: str =
     """The orchestrators to start: name -> (target process, extra flags). With the n-gram drafter in the
     orchestrator (LOCAL_NGRAM: no draft process) every one drafts with --draft local:ngram; with a llama.cpp
     target the int8 draft prefills its prompt itself (llama.cpp's KV is not the wire's, nothing to hand over)."""
-    from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
-
     if strategy == LOCAL_NGRAM:
         specs = _base_specs(args, flags, "ngram-in-orchestrator")
         return {name: (target, [*extra, "--draft", "local:ngram"]) for name, (target, extra) in specs.items()}
@@ -168,7 +168,7 @@ def sessions_sweep_flags(args, flags: dict) -> list[str]:
 
 
 def _no_draft_reason(args, strategy: str | None = None) -> str:
-    if strategy == "local-ngram":
+    if strategy == LOCAL_NGRAM:
         return (f"--draft-strategy {args.draft_strategy} drafts with n-gram prompt lookup inside the orchestrator "
                 "(the llama.cpp engine's default)" if args.draft_strategy == "auto"
                 else "--draft-strategy local-ngram")
@@ -201,7 +201,7 @@ def _draft_note(args, strategy: str) -> str | None:
     if strategy == "quantized":
         return (f"the target's own weights rounded to int8 ({args.target_model}, draft_service/int8_draft.py); the "
                 "in-process anchor runs the same int8 weights on transformers' forward")
-    if strategy == "local-ngram":
+    if strategy == LOCAL_NGRAM:
         return (f"{_no_draft_reason(args, strategy)}: no draft process, every specdec configuration drafts with "
                 "--draft local:ngram and the target computes on the draft's cores as well (`specdec run`); HF "
                 "prompt lookup and llama.cpp's prompt lookup are the in-process anchors")
