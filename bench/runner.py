@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         args.batch_wait_fraction = None  # an older checkout's target: its batches wait the window only
     services = BenchServices(args.target_model, args.draft_model, args.draft_strategy, threads=args.threads,
                              device=args.device, dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
-                             engine=args.engine, sweep_sessions=max(args.sessions),
+                             engine=args.engine,
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
                              batch_wait_fraction=args.batch_wait_fraction,
                              draft_vocab=args.draft_vocab,

@@ -101,7 +101,6 @@ class BenchServices:
     pin_cpus: bool = False  # target and draft on CPUs of their own, as `specdec run` (cpu_affinity.py); unpin()
     log_dir: str | None = None
     engine: str = "torch"  # the target's --engine (auto resolved as `specdec run` resolves it)
-    sweep_sessions: int = 0  # the sessions sweep's most concurrent sessions (the batched llama.cpp target's KV room)
     redis: RedisServer | None = None
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
@@ -117,6 +116,7 @@ class BenchServices:
         self.engine, self.engine_reason = plan.engine, plan.engine_reason
         self.strategy = plan.draft_strategy
         self.target_threads = plan.target_threads
+        self.target_cache_args = plan.target_cache_args()  # --max-sessions: a llama.cpp target sizes its KV from it
         # process name -> CPUs (the batched target is never pinned: sweeps only)
         self.cpu_plan: dict = {"draft" if name == "draft0" else name: cpus for name, cpus in plan.cpu_plan.items()}
 
@@ -146,7 +146,7 @@ class BenchServices:
     def target_args(self, extra: list[str] = ()) -> list[str]:
         """`specdec serve` arguments of a target: its engine, and the threads `specdec run` would give it."""
         return ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", "--engine", self.engine,
-                *self._common(self.target_threads), *extra]
+                *self._common(self.target_threads), *self.target_cache_args, *extra]
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         p = ServiceProcess(name, args, self.dir).start()
@@ -189,19 +189,7 @@ class BenchServices:
         self._spawn("target-batched", self.target_args(
             ["--batch-window-ms", str(self.batch_window_ms),
              *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
-               if self.batch_wait_fraction is not None else []), *self._llama_room()]))
-
-    def _llama_room(self) -> list[str]:
-        """--llama-context for a KV stream per sweep session: the llama.cpp engine keeps llama_context /
-        llama_session_context - 1 sessions (7 by default), and with 8 sessions' prompts in one batch the 8th
-        evicted one of the same batch and llama_decode failed (code -1)."""
-        from target_service.settings import TargetSettings
-
-        if self.engine != "llamacpp":
-            return []
-        defaults = TargetSettings()
-        need = (self.sweep_sessions + 1) * defaults.llama_session_context
-        return ["--llama-context", str(need)] if need > defaults.llama_context else []
+               if self.batch_wait_fraction is not None else [])]))
 
     def wait(self, timeout: float = 600.0) -> "BenchServices":
         """Wait for the model services, then start the orchestrators (they need the services' addresses)."""

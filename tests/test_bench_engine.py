@@ -33,8 +33,7 @@ def bench_services(tmp_path, argv: list[str]) -> tuple:
     args = parse_args(argv)
     services = BenchServices(args.target_model, args.draft_model, args.draft_strategy, threads=args.threads,
                              device=args.device, dtype=args.dtype, engine=args.engine, pin_cpus=args.pin_cpus == "auto",
-                             batch_window_ms=args.batch_window_ms, sweep_sessions=max(args.sessions),
-                             log_dir=str(tmp_path / "bench"))
+                             batch_window_ms=args.batch_window_ms, log_dir=str(tmp_path / "bench"))
     services.orchestrators = orchestrator_specs(args, available_flags(), services.strategy, services.engine)
     return args, services
 
@@ -68,10 +67,13 @@ def test_the_gguf_target_runs_on_the_engine_specdec_run_picks(tmp_path):
     if stack.cpu_plan:
         assert target[-2:] == affinity_args(stack.cpu_plan, "target")
 
-    services._spawn_batched_target()  # started by wait() once the target is up: a KV stream per sweep session
+    services._spawn_batched_target()  # started by wait() once the target is up
     twin = spawned["target-batched"]
     assert twin[twin.index("--engine") + 1] == "llamacpp" and "--batch-window-ms" in twin
-    assert int(twin[twin.index("--llama-context") + 1]) >= (max(args.sessions) + 1) * 2048
+    cache = stack.target_cache_args()  # a KV stream for every session the orchestrator admits, as `specdec run`
+    for argv in (target, twin):
+        assert argv[argv.index(cache[0]): argv.index(cache[0]) + len(cache)] == cache
+    assert int(cache[1]) >= max(args.sessions)
 
     for name, (target_proc, extra) in services.orchestrators.items():  # every orchestrator drafts in process
         assert extra[extra.index("--draft") + 1] == "local:ngram", name
