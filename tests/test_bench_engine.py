@@ -142,7 +142,7 @@ def test_engine_llamacpp_that_cannot_serve_the_target_says_why(capsys):
     assert "not a GGUF" in capsys.readouterr().err
 
 
-@pytest.mark.heavy  # ~3.5 min on the loaded 2-core host: both llama.cpp targets profile their forwards at start-up
+@pytest.mark.heavy  # 1.2-3.5 min on the loaded 2-core host (both llama.cpp targets profile their forwards at start)
 def test_bench_on_the_gguf_measures_the_llamacpp_stack(tmp_path):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
