@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+
 
 @dataclass
 class Sample:
@@ -82,8 +84,34 @@ def _hf_run(target, assistant=None, prompt_lookup: int | None = None) -> Callabl
     return run
 
 
-def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
-    """The orchestrators to start: name -> (target process, extra flags)."""
+RUN_DEFAULT = "specdec-pipe-auto-adaptive"  # `specdec run`'s default: --pipeline auto, the goodput draft length
+
+
+def headline(cfgs: list[Config], fixed: str | None = None) -> Config | None:
+    """The configuration the headline figures and the sessions sweep describe: `fixed` where given and it ran
+    (the llama.cpp engine's: what `specdec run` runs by default), else the fastest pipelined one that ran (else
+    the fastest speculative one)."""
+    spec = [c for c in cfgs if c.speculative and c.available and c.samples]
+    chosen = next((c for c in spec if c.name == fixed), None)
+    if chosen is not None or not spec:
+        return chosen
+    return max([c for c in spec if c.pipelined] or spec, key=Config.tokens_per_s)
+
+
+def orchestrator_specs(args, flags: dict, strategy: str = "ngram", engine: str = "torch") -> dict:
+    """The orchestrators to start: name -> (target process, extra flags). With the n-gram drafter in the
+    orchestrator (LOCAL_NGRAM: no draft process) every one drafts with --draft local:ngram; with a llama.cpp
+    target the int8 draft prefills its prompt itself (llama.cpp's KV is not the wire's, nothing to hand over)."""
+    if strategy == LOCAL_NGRAM:
+        specs = _base_specs(args, flags, "ngram-in-orchestrator")
+        return {name: (target, [*extra, "--draft", "local:ngram"]) for name, (target, extra) in specs.items()}
+    specs = _base_specs(args, flags, strategy)
+    if engine == "llamacpp" and strategy == QUANTIZED:
+        return {name: (target, [*extra, "--draft-prefill", "own"]) for name, (target, extra) in specs.items()}
+    return specs
+
+
+def _base_specs(args, flags: dict, strategy: str) -> dict:
     specs = {"orch-sequential": ("target", [])}
     modes = flags["pipeline_modes"]
     if "on" in modes and args.pipe_on:
@@ -96,7 +124,7 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram") -> dict:
                 specs["orch-local"] = ("target", ["--draft", "local:ngram"])
     if args.heuristic and flags["orchestrator --draft-len-policy"]:
         specs["orch-heuristic"] = ("target", ["--draft-len-policy", "heuristic"])
-    if args.tree:  # tree speculation at the largest draft length's node budget (equal budget to that chain)
+    if args.tree and strategy != "ngram-in-orchestrator":  # at the largest draft length's node budget (= its chain's)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
     if flags["target --batch-window-ms"]:
@@ -139,7 +167,11 @@ def sessions_sweep_flags(args, flags: dict) -> list[str]:
     return []
 
 
-def _no_draft_reason(args) -> str:
+def _no_draft_reason(args, strategy: str | None = None) -> str:
+    if strategy == LOCAL_NGRAM:
+        return (f"--draft-strategy {args.draft_strategy} drafts with n-gram prompt lookup inside the orchestrator "
+                "(the llama.cpp engine's default)" if args.draft_strategy == "auto"
+                else "--draft-strategy local-ngram")
     if args.draft_strategy == "ngram":
         return "--draft-strategy ngram"
     from specdec.models import cache_dir
@@ -169,6 +201,10 @@ def _draft_note(args, strategy: str) -> str | None:
     if strategy == "quantized":
         return (f"the target's own weights rounded to int8 ({args.target_model}, draft_service/int8_draft.py); the "
                 "in-process anchor runs the same int8 weights on transformers' forward")
+    if strategy == LOCAL_NGRAM:
+        return (f"{_no_draft_reason(args, strategy)}: no draft process, every specdec configuration drafts with "
+                "--draft local:ngram and the target computes on the draft's cores as well (`specdec run`); HF "
+                "prompt lookup and llama.cpp's prompt lookup are the in-process anchors")
     return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter"
             f"{_datastore_note(args)}, and HF prompt lookup is the in-process anchor")
 
@@ -183,6 +219,8 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
 
     def sd(name, kind, label, orch, speculation, g, pipelined=False, available=True, reason=""):
         ok = available and orch in addr
+        if speculation and "local:ngram" in specs.get(orch, ("", []))[1] and "local:ngram" not in label:
+            label += ", n-gram drafter in the orchestrator (--draft local:ngram)"
         return Config(name, kind, label, _specdec_run(addr[orch], speculation, g or 0) if ok else None,
                       draft_len=g, pipelined=pipelined, available=ok,
                       reason="" if ok else (reason or f"orchestrator {orch} is not running"),
@@ -200,7 +238,8 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     else:
         cfgs.append(Config("hf-assisted", "hf-assisted", "HF generate(assistant_model=draft) (in-process)", None,
                            available=False, reason="no draft model: the services use the n-gram drafter "
-                           f"({_no_draft_reason(args)}), so HF prompt lookup is the matching anchor"))
+                           f"({_no_draft_reason(args, services.strategy)}), so HF prompt lookup is the matching "
+                           "anchor"))
     cfgs.append(Config("hf-prompt-lookup", "hf-prompt-lookup",
                        f"HF generate(prompt_lookup_num_tokens={args.prompt_lookup_num_tokens}) (in-process)",
                        _hf_run(target, prompt_lookup=args.prompt_lookup_num_tokens),
@@ -231,6 +270,11 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
         cfgs.append(sd("specdec-pipe-auto-local-adaptive", "specdec-pipelined",
                        "specdec pipelined (auto), adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
                        "orch-pipe-auto-local", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+    if args.tree and not services.has_draft_process:
+        g = max(args.draft_lens)
+        cfgs.append(Config(f"specdec-tree-n{g}", "specdec-tree", f"specdec tree, node budget {g} (vs chain g={g})",
+                           None, draft_len=g, available=False,
+                           reason="the n-gram drafter in the orchestrator (--draft local:ngram) drafts chains only"))
     trees, no_trees = _draft_drafts_trees(services)
     for orch in (o for o in specs if o.startswith("orch-tree-n")):
         g = int(orch.removeprefix("orch-tree-n"))

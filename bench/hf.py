@@ -81,13 +81,14 @@ def prompt_session(loaded, ids: list[int]):
     return lm, sess, tok
 
 
-def step_costs(target, draft, ids: list[int], sizes: list[int], reps: int = 8) -> dict:
+def step_costs(target, draft, ids: list[int], sizes: list[int], reps: int = 8, target_session=None) -> dict:
     """Median forward times, interleaved so drift of a shared machine hits every number alike.
 
     Each repetition times, in an order rotated per repetition, one cached forward of n new tokens on the
     target for n in ``[1] + sizes`` (each cropped back afterwards, so the context stays the prompt), and
-    after each of them one single-token draft step (when there is a draft model)."""
-    t_lm, t_sess, tok = prompt_session(target, ids)
+    after each of them one single-token draft step (when there is a draft model). target_session: the target's
+    (lm, session, next token) after the prompt when not the torch model's (the llama.cpp engine's)."""
+    t_lm, t_sess, tok = target_session or prompt_session(target, ids)
     t_base = len(t_sess.tokens)
     d = None
     if draft is not None:

@@ -95,13 +95,13 @@ def measure(grpc_address: str, http_url: str, jobs: list[tuple[str, list[int]]],
 
 
 def run_in_bench(services, cfgs, jobs: list[tuple[str, list[int]]], args, not_measured: dict) -> dict | None:
-    """bench/runner.py's hook: the headline configuration's orchestrator (the fastest speculative one), both APIs."""
-    spec = [c for c in cfgs if c.speculative and c.available and c.samples and c.orchestrator]
-    if not spec:
+    """bench/runner.py's hook: the headline configuration's orchestrator (bench.configs.headline), both APIs."""
+    from bench.configs import headline
+
+    cfg = headline([c for c in cfgs if c.orchestrator], getattr(args, "headline_fixed", None))
+    if cfg is None:
         not_measured["http_grpc_ratio"] = "no speculative configuration ran"
         return None
-    pipe = [c for c in spec if c.pipelined]
-    cfg = max(pipe or spec, key=lambda c: c.tokens_per_s())
     proc = services.procs.get(cfg.orchestrator)
     url = getattr(proc, "http_url", None)
     if not url:

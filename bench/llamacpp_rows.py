@@ -74,6 +74,36 @@ class DirectLlamaCpp:
         self.ll.llama_model_free(self.model)
 
 
+class _SessionLM:
+    """A DirectLlamaCpp behind the two calls bench.hf.step_costs makes of the services' CachedLM (extend n tokens,
+    crop back), so the microbenchmark and the gRPC floor time the llama.cpp engine's forwards: logits for every
+    new position, as a verify computes them."""
+
+    def __init__(self, model: DirectLlamaCpp):
+        self.model = model
+
+    def extend(self, session, tokens: list[int]) -> list[int]:
+        best = self.model.feed_rows(list(tokens), len(session.tokens), rows=len(tokens))
+        session.tokens.extend(tokens)
+        return best
+
+    def crop(self, session, length: int) -> None:
+        self.model.crop(length)
+        del session.tokens[length:]
+
+
+def llamacpp_session(target_model: str, threads: int, ids: list[int]):
+    """((lm, session, next token) after prefilling ids on the target's GGUF at `threads`, close)."""
+    from types import SimpleNamespace
+
+    from target_service.engines.select import gguf_file
+
+    model = DirectLlamaCpp(str(gguf_file(target_model)), threads)
+    lm, session = _SessionLM(model), SimpleNamespace(tokens=[])
+    model.ll.llama_memory_clear(model.mem, True)
+    return (lm, session, lm.extend(session, list(ids))[-1]), model.close
+
+
 def unavailable_reason(target_model: str) -> str | None:
     """Why llama.cpp cannot run the target here, or None."""
     from target_service.engines.select import gguf_file, llama_cpp_missing
@@ -84,17 +114,19 @@ def unavailable_reason(target_model: str) -> str | None:
     return f"llama-cpp-python is not installed ({missing})" if missing else None
 
 
-def core_counts(threads: int, cpus: int) -> list[int]:
-    """The thread counts to measure plain llama.cpp at: 1, one model service's, and the target plus one draft
-    process's (the headline's, unless it drafts inside the orchestrator), none above the machine's CPUs."""
-    return sorted({1, min(threads, cpus), min(2 * threads, cpus)})
+def core_counts(threads: int, cpus: int, target_threads: int | None = None) -> list[int]:
+    """The thread counts to measure plain llama.cpp at: 1, one model service's, the target's (a llama.cpp target
+    drafting in the orchestrator gets the draft's cores too) and the target plus one draft process's, none above
+    the machine's CPUs."""
+    target = target_threads or threads
+    return sorted({1, min(threads, cpus), min(target, cpus), min(target + threads, cpus)})
 
 
-def headline_cores(head: dict | None, threads: int, cpus: int) -> int:
-    """The cores the headline configuration computes on: the target's threads, plus a draft process's unless it
-    drafts inside the orchestrator (--draft local:ngram)."""
+def headline_cores(head: dict | None, threads: int, cpus: int, target_threads: int | None = None) -> int:
+    """The cores the headline configuration computes on in all: the target's threads, plus a draft process's
+    (`threads`) unless it drafts inside the orchestrator (--draft local:ngram)."""
     local = head is not None and "local:ngram" in (head.get("orchestrator_flags") or [])
-    return min(threads * (1 if local else 2), cpus)
+    return min((target_threads or threads) + (0 if local else threads), cpus)
 
 
 def _plain_run(gguf: str, threads: int, eos: set[int]):
@@ -150,7 +182,7 @@ def llamacpp_configs(args, eos_ids: list[int], cpus: int | None = None) -> tuple
     """(the anchor configurations, their close functions); they stop at the target's EOS ids as specdec does.
     Unavailable rows carry the reason."""
     cpus = cpus or os.cpu_count() or 1
-    counts = core_counts(args.threads, cpus)
+    counts = core_counts(args.threads, cpus, getattr(args, "target_threads", None))
     lookup_threads = counts[-1]
     names = [(f"{PLAIN}-t{t}", PLAIN, t, f"llama.cpp plain, {t} thread{'s' * (t > 1)} (in-process)")
              for t in counts]
@@ -173,13 +205,13 @@ def llamacpp_configs(args, eos_ids: list[int], cpus: int | None = None) -> tuple
     return cfgs, closers
 
 
-def headline_vs_llamacpp(res: dict, threads: int, cpus: int) -> dict:
+def headline_vs_llamacpp(res: dict, threads: int, cpus: int, target_threads: int | None = None) -> dict:
     """The JSON keys comparing the headline with plain llama.cpp on the cores the headline uses: the fastest plain
     row at that many threads or fewer (on a busy host llama.cpp's threads wait at barriers, and 2 threads can run
-    far slower than one; docs/engines.md)."""
+    far slower than one; docs/engines.md). target_threads: the target service's --threads (default threads)."""
     cfgs = {c["name"]: c for c in res["configs"]}
     head = cfgs.get(res.get("headline_config") or "")
-    cores = headline_cores(head, threads, cpus)
+    cores = headline_cores(head, threads, cpus, target_threads)
     plain = [c for c in res["configs"] if c.get("kind") == PLAIN and c.get("settings", {}).get("threads", 0) <= cores]
     ran = [c for c in plain if c.get("available") and c.get("tokens_per_s")]
     best = max(ran, key=lambda c: c["tokens_per_s"]) if ran else None

@@ -59,30 +59,34 @@ def run_sessions_level(n: int, jobs: list[tuple[str, list[int]]], max_new: int, 
     return wall, out
 
 
-def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int = 8) -> dict:
+def microbench(target, draft, ids: list[int], draft_lens: list[int], reps: int = 8, target_session=None,
+               engine: str = "torch") -> dict:
     """Target step time, (g+1)-token verify forwards and the draft step, in this process on the services'
-    KV-cache code path, interleaved (see bench.hf.step_costs)."""
+    KV-cache code path, interleaved (see bench.hf.step_costs). target_session: the llama.cpp engine's (see
+    bench.llamacpp_rows.llamacpp_session), else the torch model's."""
     from bench.hf import step_costs
 
     sizes = list(range(2, max(draft_lens) + 3))  # verify blocks of g + 1 tokens, g = 1 .. max + 1
-    r = step_costs(target, draft, ids, sizes, reps=reps)
+    r = step_costs(target, draft, ids, sizes, reps=reps, target_session=target_session)
     t = r["target_ms"][1]
+    how = ("the target's GGUF through llama_decode at the target service's threads" if engine == "llamacpp"
+           else "torch threads as the services")
     out = {"target_step_ms": t, "target_block_ms": {str(n): r["target_ms"][n] for n in sizes},
-           "draft_step_ms": r["draft_step_ms"], "c": None, "reps": reps,
-           "note": "medians of interleaved in-process forwards (torch threads as the services) after prefilling "
-                   "the first prompt; c = draft step / target step"}
+           "draft_step_ms": r["draft_step_ms"], "c": None, "reps": reps, "engine": engine,
+           "note": f"medians of interleaved in-process forwards ({how}) after prefilling the first prompt; "
+                   "c = draft step / target step"}
     out["verify_cost_vs_step"] = {k: v / t for k, v in out["target_block_ms"].items()}
     if r["draft_step_ms"] is not None:
         out["c"] = r["draft_step_ms"] / t
     return out
 
 
-def verify_forward(target, ids: list[int], n: int):
+def verify_forward(target, ids: list[int], n: int, target_session=None):
     """One cached forward of n new tokens on the target after the prompt, cropped back after: a verify's work
-    (see bench.hf.step_costs)."""
+    (see bench.hf.step_costs; target_session as there)."""
     from bench.hf import prompt_session
 
-    lm, sess, tok = prompt_session(target, ids)
+    lm, sess, tok = target_session or prompt_session(target, ids)
     base = len(sess.tokens)
 
     def forward() -> None:
@@ -153,7 +157,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     med = statistics.median
     out: dict = {}
     target = TargetClient(services.addresses["target"])
-    draft = DraftClient(services.addresses["draft"])
+    draft = DraftClient(services.addresses["draft"]) if "draft" in services.addresses else None
     try:
         target.info(timeout=10)
         times = []
@@ -187,20 +191,14 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         out["target_decode_service_ms"] = med(model)
         out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
         target.release(sid)
-        rt, model = [], []
-        draft.propose(sid, ctx, 0, k, greedy, 0, 0, 120.0)  # the draft prefills the prompt once
-        for i in range(model_reps):
-            t0 = time.perf_counter()
-            r = draft.propose(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1, 120.0)
-            rt.append((time.perf_counter() - t0) * 1e3)
-            model.append(r.draft_ms)
-        out["draft_propose_rpc_ms"] = med(rt)
-        out["draft_propose_service_ms"] = med(model)
-        out["draft_propose_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
-        draft.release(sid)
+        if draft is not None:
+            out.update(_propose_costs(draft, sid, ctx, k, greedy, model_reps))
+        else:  # --draft local:ngram: the orchestrator drafts in process, no Propose round trip
+            out.update(draft_propose_rpc_ms=None, draft_propose_service_ms=None, draft_propose_rpc_overhead_ms=None)
     finally:
         target.close()
-        draft.close()
+        if draft is not None:
+            draft.close()
 
     store = open_store(services.redis.url)
     rec = SessionRecord("bench-overhead", list(ids), {"temperature": 0.0, "max_new_tokens": 96},
@@ -218,8 +216,8 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     out["redis_commit_ms"] = med(rtimes)
     out.update(bare_grpc_cost(step_ms, forward=forward))
     out["grpc_wait_ms"] = step_ms
-    out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"] + out["draft_propose_rpc_overhead_ms"]
-                                          + out["redis_commit_ms"])
+    out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"]
+                                          + (out["draft_propose_rpc_overhead_ms"] or 0.0) + out["redis_commit_ms"])
     # --draft local:ngram drafts inside the orchestrator: no Propose round trip
     out["per_step_system_overhead_local_draft_ms"] = out["target_verify_rpc_overhead_ms"] + out["redis_commit_ms"]
     out["note"] = (f"medians; Verify with k={k} drafts and Propose of k={k} tokens ({model_reps} calls each), GetInfo "
@@ -230,4 +228,23 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
                    "step): the difference is this host waking threads that waited, part of every call's overhead; "
                    f"grpc_bare_after_forward_ms: the same call around the target's forward of k+1 = {k + 1} tokens "
                    "(the services' KV-cache path): the floor of a gRPC round trip around a verify on this host")
+    if draft is None:
+        out["note"] += "; no draft process (the orchestrator drafts with --draft local:ngram): no Propose"
     return out
+
+
+def _propose_costs(draft, sid: str, ctx: list[int], k: int, greedy, model_reps: int) -> dict:
+    """Propose of k tokens at a fixed position: round trip, the service's draft_ms, and their difference."""
+    import statistics
+
+    med = statistics.median
+    rt, model = [], []
+    draft.propose(sid, ctx, 0, k, greedy, 0, 0, 120.0)  # the draft prefills the prompt once
+    for i in range(model_reps):
+        t0 = time.perf_counter()
+        r = draft.propose(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1, 120.0)
+        rt.append((time.perf_counter() - t0) * 1e3)
+        model.append(r.draft_ms)
+    draft.release(sid)
+    return {"draft_propose_rpc_ms": med(rt), "draft_propose_service_ms": med(model),
+            "draft_propose_rpc_overhead_ms": med([a - b for a, b in zip(rt, model)])}

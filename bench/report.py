@@ -45,7 +45,10 @@ def markdown(res: dict) -> str:
     lines = [f"# specdec benchmark ({res['mode']})", ""]
     lines += [f"Command: `{res.get('command') or 'python -m bench'}`", ""]
     draft = res["draft"]
-    lines += [f"- target `{s['target_model']}`; draft: {draft['strategy']}"
+    engine = (f"- target engine: **{res['engine']}** ({res.get('engine_reason')}), {res.get('target_threads')} "
+              f"thread(s)" if res.get("engine") else None)  # older result files carry no engine
+    lines += [*([engine] if engine else []),
+              f"- target `{s['target_model']}`; draft: {draft['strategy']}"
               + (f" `{draft['model']}`" if draft.get("model") else "")
               + (f" ({draft['note']})" if draft.get("note") else ""),
               f"- {len(s['prompts'])} prompts ({', '.join(p['name'] for p in s['prompts'])}), chat template, greedy, "

@@ -1,7 +1,8 @@
 """Run every configuration side by side on the same prompts and machine, and summarise.
 
-Flow: load the target (and draft) in this process for the Hugging Face anchors and the microbenchmarks;
-start the specdec services; measure the per-step overheads (gRPC round trip, Redis commit) and the
+Flow: resolve the target's engine, the draft strategy and the target's threads as `specdec run` does
+(--engine auto: llama.cpp for the GGUF target on a CPU, drafting with n-gram prompt lookup in the orchestrator);
+load the target (and draft) in this process for the Hugging Face anchors; start the specdec services; measure the per-step overheads (gRPC round trip, Redis commit) and the
 model step times; warm every configuration up once; then time all single-session configurations
 interleaved prompt by prompt (the order rotates every prompt, so slow drift of a shared machine is
 spread over all of them); then the concurrency sweep, its session counts also rotated per round.
@@ -20,9 +21,9 @@ import time
 
 from bench import analysis
 from bench.prompts import Prompt, encode, select
-from bench.configs import (Config, _draft_note, build_configs, orchestrator_specs, session_job_count,
-                           sessions_sweep_flags)
-from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs
+from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
+                           session_job_count, sessions_sweep_flags)
+from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs, llamacpp_session
 from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
@@ -41,8 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "arrivals, speculative against target-only; `python -m bench --serving --help`)")
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "quantized"], default="auto",
-                   help="auto: the distilled draft if it is in the cache, else n-gram prompt lookup")
+    p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="auto",
+                   help="the target's engine, resolved as `specdec run` resolves it (auto: llama.cpp for a GGUF "
+                        "target on a CPU where llama-cpp-python is installed, drafting with n-gram prompt lookup in "
+                        "the orchestrator and the target on the draft's cores; else torch). --engine torch: the "
+                        "PyTorch engine with its own default draft")
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
+                   default="auto", help="auto: as `specdec run` picks it for the engine (docs/engines.md)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
     p.add_argument("--rounds", type=int, default=None, help="repeats of the interleaved sweep (default 2; quick 1)")
@@ -84,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of the batch and stops drafting when that does not pay)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
     p.add_argument("--warmup-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model service and in this process")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per model service and torch threads in this process (a llama.cpp target drafting "
+                        "in the orchestrator also gets the draft's, as `specdec run` gives it)")
     p.add_argument("--pin-cpus", choices=["auto", "off"], default="auto",
                    help="auto: the target and the draft services on CPUs of their own, as `specdec run` starts them "
                         "(specdec/ops/cpu_affinity.py); off: the OS scheduler places them")
@@ -124,7 +132,6 @@ def run(args: argparse.Namespace) -> dict:
     from specdec.client import SpecdecClient
     from specdec.ops.cpu_affinity import describe as describe_cpu_plan
     from specdec.models import load_model
-    from launcher.stack import StackConfig, resolve_draft_strategy
     from specdec.core.strategies import MODEL_STRATEGIES, QUANTIZED
 
     import warnings
@@ -147,16 +154,19 @@ def run(args: argparse.Namespace) -> dict:
     flags = available_flags()
     if not flags["target --batch-wait-fraction"]:
         args.batch_wait_fraction = None  # an older checkout's target: its batches wait the window only
-    strategy = resolve_draft_strategy(StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
-                                                  draft_model=args.draft_model))
-    services = BenchServices(args.target_model, args.draft_model, strategy, threads=args.threads, device=args.device,
-                             dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
-                             orchestrators=orchestrator_specs(args, flags, strategy),
+    services = BenchServices(args.target_model, args.draft_model, args.draft_strategy, threads=args.threads,
+                             device=args.device, dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
+                             engine=args.engine,
                              batch_window_ms=args.batch_window_ms if flags["target --batch-window-ms"] else None,
                              batch_wait_fraction=args.batch_wait_fraction,
                              draft_vocab=args.draft_vocab,
                              pin_cpus=args.pin_cpus == "auto" and flags["target --cpu-affinity"],
                              log_dir=args.log_dir)
+    strategy = services.strategy  # resolved with the engine, as `specdec run` does
+    services.orchestrators = orchestrator_specs(args, flags, strategy, services.engine)
+    args.target_threads = services.target_threads
+    # llama.cpp: the headline is what `specdec run` runs by default; torch: the fastest pipelined configuration
+    args.headline_fixed = RUN_DEFAULT if services.engine == "llamacpp" else None
     t0 = time.perf_counter()
     services.launch()  # the services load their models while this process loads its own (HF anchors)
     try:
@@ -193,10 +203,16 @@ def run(args: argparse.Namespace) -> dict:
         cfgs = build_configs(args, services, target, draft, flags) + anchors
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
-        micro = microbench(target, draft, first, args.draft_lens)
-        phase("microbench")
-        overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"],
-                                      forward=verify_forward(target, first, max(args.draft_lens) + 1))
+        session, close_session = (llamacpp_session(args.target_model, services.target_threads, first)
+                                  if services.engine == "llamacpp" else (None, None))
+        try:  # the target step of the engine that serves: torch in this process, or the GGUF through llama_decode
+            micro = microbench(target, draft, first, args.draft_lens, target_session=session, engine=services.engine)
+            phase("microbench")
+            overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"],
+                                          forward=verify_forward(target, first, max(args.draft_lens) + 1, session))
+        finally:
+            if close_session is not None:
+                close_session()
         phase("overheads")
 
         batched = "target-batched" in services.addresses
@@ -240,9 +256,7 @@ def run(args: argparse.Namespace) -> dict:
         services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
         # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
         # speculative one) with its orchestrator flags and draft length.
-        spec = [c for c in cfgs if c.speculative and c.available and c.samples]
-        pipe = [c for c in spec if c.pipelined]
-        head_cfg = max(pipe or spec, key=Config.tokens_per_s) if spec else None
+        head_cfg = headline(cfgs, args.headline_fixed)
         sweeps = []
         if head_cfg is not None:
             if batched:
@@ -301,9 +315,10 @@ def run(args: argparse.Namespace) -> dict:
     reference = {}
     for s in baseline.samples:
         reference.setdefault(s.prompt, s.tokens)
-    rows = [summarise_config(c, baseline, micro, strategy, reference) for c in cfgs]
+    rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
-    res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1))
+    res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
+    res.update(engine=services.engine, engine_reason=services.engine_reason, target_threads=services.target_threads)
     res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
     res["machine"]["cpu_affinity"] = {
         "single-session configurations": pinned or "not pinned (the OS scheduler places the services)",
@@ -334,7 +349,14 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
     ok = lambda r: r.get("available") and r.get("tokens_per_s")  # noqa: E731
     pipelined = [r for r in rows if r["kind"] == "specdec-pipelined" and ok(r)]
     sequential = [r for r in rows if r["kind"] == "specdec-sequential" and ok(r)]
-    if pipelined:
+    fixed = getattr(args, "headline_fixed", None)
+    if fixed and ok(by.get(fixed, {})):  # the llama.cpp engine: what `specdec run` runs by default
+        head = by[fixed]
+    elif pipelined:
+        if fixed:
+            not_measured["headline_config"] = (f"{fixed} (`specdec run`'s default) did not run: "
+                                               f"{by.get(fixed, {}).get('reason', 'not configured')}; the fastest "
+                                               "pipelined configuration stands in")
         head = max(pipelined, key=lambda r: r["tokens_per_s"])
     else:
         head = max(sequential, key=lambda r: r["tokens_per_s"]) if sequential else None
@@ -402,6 +424,7 @@ def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft
                      "batch_window_ms": args.batch_window_ms
                      if flags["target --batch-window-ms"] else None,
                      "batch_wait_fraction": args.batch_wait_fraction, "threads": args.threads,
+                     "target_threads": getattr(args, "target_threads", args.threads),
                      "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
                      "timing": "client wall time per generation (request sent -> final message), prefill included; "
                                "tokens/s = all generated tokens / all wall time of a configuration",
@@ -435,7 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    res = run(args)
+    from specdec.core.grpc_util import StartupError
+
+    try:
+        res = run(args)
+    except StartupError as e:  # an --engine that cannot serve the target: say why instead of a traceback
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return 2
     res["command"] = "python -m bench " + " ".join(argv)
     res["outputs"] = write_outputs(res, args.out_dir)
     if args.json:

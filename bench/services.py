@@ -15,6 +15,11 @@ their flags and share the target, the draft and Redis, so a configuration switch
 * ``orch-pipe-auto-batched`` / ``orch-pipe-auto-local-batched``: twins for the sessions sweep, pointed at a
   second target started with ``--batch-window-ms`` (when the target has that flag); a headline without a twin
   gets one started after the single-session sweep.
+
+The target's engine, the draft strategy, the target's threads and the CPU plan are those `specdec run` resolves
+for the same options (a :class:`launcher.stack.LocalStack` built, not started). With the llama.cpp engine and
+the n-gram drafter in the orchestrator (`--engine auto`'s choice for the GGUF on a CPU) there is no draft
+process: every orchestrator drafts with ``--draft local:ngram`` and the target computes on the draft's cores.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 from specdec.ops.redis_server import RedisServer
-from launcher.stack import ServiceProcess, StackConfig, draft_model_args, resolve_draft_strategy
+from launcher.stack import LocalStack, ServiceProcess, StackConfig, draft_model_args
+from specdec.core.strategies import LOCAL_NGRAM
 
 log = logging.getLogger("bench")
 
@@ -94,22 +100,29 @@ class BenchServices:
     draft_vocab: int = 8192  # draft service --draft-vocab (model and hybrid strategies)
     pin_cpus: bool = False  # target and draft on CPUs of their own, as `specdec run` (cpu_affinity.py); unpin()
     log_dir: str | None = None
+    engine: str = "torch"  # the target's --engine (auto resolved as `specdec run` resolves it)
     redis: RedisServer | None = None
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.strategy = resolve_draft_strategy(StackConfig(target_model=self.target_model,
-                                                           draft_strategy=self.draft_strategy,
-                                                           draft_model=self.draft_model))
         self.dir = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="specdec-bench-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.cpu_plan: dict = {}  # process name -> CPUs (the batched target is never pinned: sweeps only)
-        if self.pin_cpus:
-            from specdec.ops.cpu_affinity import local_stack_plan
+        # `specdec run`'s choices for these options (StartupError for an --engine that cannot serve the target)
+        plan = LocalStack(StackConfig(target_model=self.target_model, draft_strategy=self.draft_strategy,
+                                      draft_model=self.draft_model, engine=self.engine, threads=self.threads,
+                                      device=self.device, dtype=self.dtype,
+                                      pin_cpus="auto" if self.pin_cpus else "off"), log_dir=str(self.dir))
+        self.engine, self.engine_reason = plan.engine, plan.engine_reason
+        self.strategy = plan.draft_strategy
+        self.target_threads = plan.target_threads
+        self.target_cache_args = plan.target_cache_args()  # --max-sessions: a llama.cpp target sizes its KV from it
+        # process name -> CPUs (the batched target is never pinned: sweeps only)
+        self.cpu_plan: dict = {"draft" if name == "draft0" else name: cpus for name, cpus in plan.cpu_plan.items()}
 
-            plan = local_stack_plan(self.threads, 1) or {}
-            self.cpu_plan = {"draft" if name == "draft0" else name: cpus for name, cpus in plan.items()}
+    @property
+    def has_draft_process(self) -> bool:
+        return self.strategy != LOCAL_NGRAM
 
     def _affinity(self, name: str) -> list[str]:
         from specdec.ops.cpu_affinity import affinity_args
@@ -127,8 +140,13 @@ class BenchServices:
                 pin_threads(p.proc.pid, allowed_cpus())
         self.cpu_plan = {}
 
-    def _common(self) -> list[str]:
-        return ["--threads", str(self.threads), "--device", self.device, "--dtype", self.dtype]
+    def _common(self, threads: int | None = None) -> list[str]:
+        return ["--threads", str(threads or self.threads), "--device", self.device, "--dtype", self.dtype]
+
+    def target_args(self, extra: list[str] = ()) -> list[str]:
+        """`specdec serve` arguments of a target: its engine, and the threads `specdec run` would give it."""
+        return ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", "--engine", self.engine,
+                *self._common(self.target_threads), *self.target_cache_args, *extra]
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         p = ServiceProcess(name, args, self.dir).start()
@@ -143,7 +161,7 @@ class BenchServices:
         for name, (target, extra) in specs.items():
             self._spawn(name, ["orchestrator", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
                                "--target", self.addresses[target],
-                               "--draft", self.addresses["draft"], "--redis", self.redis.url,
+                               "--draft", self.addresses.get("draft", "local:ngram"), "--redis", self.redis.url,
                                *self.orchestrator_flags(extra)])
         for name in specs:
             self.addresses[name] = self.procs[name].wait_ready(timeout)
@@ -152,13 +170,11 @@ class BenchServices:
         """Start Redis and the model services without waiting (the caller can load its own models meanwhile)."""
         try:
             self.redis = RedisServer(data_dir=str(self.dir / "redis")).start()
-            self._spawn("target", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", *self._common(),
-                                   *self._affinity("target")])
-            if self.batch_window_ms is not None:
-                self._spawn("target-batched", ["target", "--model", self.target_model, "--listen", "127.0.0.1:0",
-                                               *self._common(), "--batch-window-ms", str(self.batch_window_ms),
-                                               *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
-                                                 if self.batch_wait_fraction is not None else [])])
+            self._spawn("target", self.target_args(self._affinity("target")))
+            if self.batch_window_ms is not None and self.engine != "llamacpp":
+                self._spawn_batched_target()
+            if not self.has_draft_process:  # the orchestrators draft in process (--draft local:ngram)
+                return self
             dargs = ["draft", "--strategy", self.strategy, "--listen", "127.0.0.1:0", *self._common(),
                      *self._affinity("draft")]
             dargs += draft_model_args(self.strategy, self.draft_model, self.target_model,
@@ -169,11 +185,23 @@ class BenchServices:
             self.stop()
             raise
 
+    def _spawn_batched_target(self) -> None:
+        self._spawn("target-batched", self.target_args(
+            ["--batch-window-ms", str(self.batch_window_ms),
+             *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
+               if self.batch_wait_fraction is not None else [])]))
+
     def wait(self, timeout: float = 600.0) -> "BenchServices":
         """Wait for the model services, then start the orchestrators (they need the services' addresses)."""
         try:
             for name in list(self.procs):
                 self.addresses[name] = self.procs[name].wait_ready(timeout)
+            if self.batch_window_ms is not None and "target-batched" not in self.procs:
+                # llama.cpp: the batched twin starts once the first target is up. Each profiles its forwards at
+                # start-up (the goodput policy's costs); started together on the loaded 2-core host, their
+                # one-token forwards profiled at 84 and 550 ms against 10 ms measured in this process after.
+                self._spawn_batched_target()
+                self.addresses["target-batched"] = self.procs["target-batched"].wait_ready(timeout)
             self.add_orchestrators(self.orchestrators, timeout)
             return self
         except BaseException:

@@ -35,7 +35,7 @@ def _sum_stats(samples: list[Sample]) -> dict:
 
 
 def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy: str,
-                     reference_tokens: dict[str, list[int]]) -> dict:
+                     reference_tokens: dict[str, list[int]], engine: str = "torch") -> dict:
     out = {"name": cfg.name, "kind": cfg.kind, "label": cfg.label, "available": cfg.available and bool(cfg.samples),
            "draft_len": cfg.draft_len if cfg.draft_len is not None else (
                "adaptive" if cfg.speculative else ("hf-schedule" if cfg.kind in ("hf-assisted", "hf-prompt-lookup")
@@ -70,8 +70,11 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
             if b is not None and s.tokens and b.tokens and s.wall_s and b.wall_s:
                 pairs.append((len(s.tokens) / s.wall_s) / (len(b.tokens) / b.wall_s))
         out["speedup_per_prompt"] = analysis.spread(pairs)
-    # Another engine (llama.cpp computes the GGUF's quantized weights in its own kernels) need not match torch's.
-    same_engine = not cfg.kind.startswith("llamacpp-")
+    # Another engine (llama.cpp computes the GGUF's quantized weights in its own kernels) need not match the
+    # reference's: the specdec rows run on the services' engine, the HF anchors on torch, the others on llama.cpp.
+    row_engine = ("llamacpp" if cfg.kind.startswith("llamacpp-") else "torch" if cfg.kind.startswith("hf-")
+                  else engine)
+    same_engine = row_engine == engine
     matches = [s.tokens == reference_tokens.get(s.prompt) for s in cfg.samples
                if s.prompt in reference_tokens and same_engine]
     out["output_matches_target_only"] = (sum(matches) / len(matches)) if matches else None
@@ -236,7 +239,9 @@ def evaluate_targets(res: dict) -> dict:
         entry = {"target": desc, "threshold": thr, "value": value}
         if value is None:
             entry["met"] = None
-            entry["why"] = "not measured: " + res.get("not_measured", {}).get(key, "the configuration is not available")
+            fallback = (head.get("reason_no_prediction") if key == "measured_over_predicted" else None) or \
+                "the configuration is not available"
+            entry["why"] = "not measured: " + res.get("not_measured", {}).get(key, fallback)
         elif key == "pipelined_faster_than_sequential":
             entry["met"] = value > thr
         elif key in LOWER_IS_BETTER:
@@ -334,8 +339,10 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
         r8 = max(rows, key=lambda r: r["sessions"]) if rows else {}
         return (f"not met: {_fmt(r8.get('tokens_per_s'))} tok/s aggregate at {r8.get('sessions')} sessions vs "
                 f"{_fmt(r1.get('tokens_per_s'))} at 1 ({res['machine']['cpus']} CPU cores, shared with other work; "
-                f"each model service runs {res['settings']['threads']} torch thread); batched verification "
-                f"{'on (' + batch_label(r8) + ')' if r8.get('batched_verification') else 'not available'}; "
+                + (f"the llama.cpp target runs {res.get('target_threads')} threads); batched verification "
+                   if res.get("engine") == "llamacpp" else
+                   f"each model service runs {res['settings']['threads']} torch thread); batched verification ")
+                + f"{'on (' + batch_label(r8) + ')' if r8.get('batched_verification') else 'not available'}; "
                 f"target verify per step grew from {_fmt(r1.get('target_verify_ms_per_step'))} to "
                 f"{_fmt(r8.get('target_verify_ms_per_step'))} ms ({_fmt(ratio_or_none(r8, r1))}x for "
                 f"{r8.get('sessions')}x the sessions); {_fmt(100 * (r8.get('plain_decode_step_fraction') or 0), 0)}% of "

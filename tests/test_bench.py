@@ -308,6 +308,14 @@ def test_llamacpp_keys_are_null_with_the_reason_when_llamacpp_cannot_run(bench_r
     assert "llama.cpp plain, 1 thread" in (out / "latest.md").read_text()
 
 
+def test_a_tiny_random_target_runs_on_torch(bench_run):
+    """--engine auto (the default) resolves as `specdec run` does: a tiny random model is no GGUF, so torch."""
+    res, out = bench_run
+    assert res["engine"] == "torch" and "not a GGUF" in res["engine_reason"]
+    assert res["microbench"]["engine"] == "torch" and res["target_threads"] == res["settings"]["threads"]
+    assert "target engine: **torch**" in (out / "latest.md").read_text()
+
+
 def test_headline_vs_llamacpp_takes_plain_llamacpp_at_the_headlines_cores():
     from bench.llamacpp_rows import core_counts, headline_vs_llamacpp
 
