@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="Poisson schedule seed")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="as `specdec up` (its default)")
+    p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="auto",
+                   help="the target's engine, as `specdec up --engine` (auto: llama.cpp for a GGUF target on a CPU)")
     p.add_argument("--orchestrator-arg", action="append", default=[],
                    help="extra orchestrator flag (repeatable; e.g. --orchestrator-arg=--speculation-max-sessions=8)")
     p.add_argument("--threads", type=int, default=1)
@@ -269,18 +271,25 @@ def level_jobs(prompts: list[tuple[str, list[int]]], count: int, offset: int = 0
     return [prompts[(offset + i) % len(prompts)] for i in range(count)]
 
 
+def stack_config(args, metrics_base_port: int):
+    """The `specdec up` stack's configuration (its defaults: --engine auto, --pipeline auto, adaptive draft length,
+    --batch-window-ms 5, not pinned), with Prometheus endpoints for the KV cache gauges."""
+    from launcher.stack import StackConfig
+
+    return StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
+                       draft_model=args.draft_model, pipeline="auto", batch_window_ms=args.batch_window_ms,
+                       engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype,
+                       pin_cpus="off", metrics_base_port=metrics_base_port,
+                       orchestrator_args=list(args.orchestrator_arg))
+
+
 def start_stack(args):
-    """The `specdec up` stack (its defaults: --pipeline auto, adaptive draft length, --batch-window-ms 5, not
-    pinned), on free ports, with Prometheus endpoints for the KV cache gauges."""
-    from launcher.stack import LocalStack, StackConfig
+    """The `specdec up` stack on free ports."""
+    from launcher.stack import LocalStack
 
     for attempt in range(3):
         base = free_port_base(4)
-        cfg = StackConfig(target_model=args.target_model, draft_strategy=args.draft_strategy,
-                          draft_model=args.draft_model, pipeline="auto", batch_window_ms=args.batch_window_ms,
-                          threads=args.threads, device=args.device, dtype=args.dtype, pin_cpus="off",
-                          metrics_base_port=base, orchestrator_args=list(args.orchestrator_arg))
-        stack = LocalStack(cfg, log_dir=args.log_dir)
+        stack = LocalStack(stack_config(args, base), log_dir=args.log_dir)
         try:
             return stack.start(), base
         except Exception as e:  # noqa: BLE001 - a port taken between the check and the bind: try other ports
@@ -425,6 +434,7 @@ def assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, 
                              (f"; extra orchestrator flags {' '.join(args.orchestrator_arg)}" if args.orchestrator_arg
                               else ""),
                   "target_model": args.target_model, "draft_strategy": stack.draft_strategy,
+                  "engine": stack.engine, "engine_reason": stack.engine_reason, "target_threads": stack.target_threads,
                   "draft_model": args.draft_model, "processes": [p.name for p in stack.services()] + ["redis"]},
         "settings": {"max_new_tokens": args.max_new_tokens, "min_requests": args.min_requests,
                      "requests_per_stream": args.requests_per_stream, "poisson_requests": args.poisson_requests,

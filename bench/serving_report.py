@@ -73,7 +73,8 @@ def markdown(res: dict) -> str:
              f"Command: `{res.get('command')}`. Machine: {m['cpus']} CPUs, {m['cpu_model']}; load average "
              f"{_f(m['load_average_begin'][0], 2)} at the start, {_f(m['load_average_end'][0], 2)} at the end; "
              f"total {_f(m['total_s'], 0)} s (stack start {_f(m['service_startup_s'], 0)} s).", "",
-             f"Stack: {s['stack']['command']}; target {s['stack']['target_model']}, draft "
+             f"Stack: {s['stack']['command']}; target {s['stack']['target_model']} on the "
+             f"{s['stack'].get('engine', 'torch')} engine ({s['stack'].get('target_threads', 1)} threads), draft "
              f"{s['stack']['draft_strategy']}. {s['settings']['max_new_tokens']} new tokens per request, greedy, "
              f"{len(s['settings']['prompts'])} prompts cycled; {s['settings']['modes']}.", "",
              "## Targets", "", "| target | measured | met | why |", "|---|---|---|---|"]

@@ -188,9 +188,23 @@ def test_serving_bench_end_to_end_json_shape(tmp_path):
     assert set(s["targets"]) == {"single_stream_ratio", "every_level_ratio", "tpot_p99"}
     assert {"target", "draft0", "orchestrator", "redis"} <= set(s["levels"][0]["rss_mib_peak"])
     assert s["memory"]["concurrency"] == 2 and set(s["memory"]["bounds"]) == {"target", "draft0"}
+    assert s["stack"]["engine"] == "torch" and "GGUF" in s["stack"]["engine_reason"]  # a tiny HF model
     assert (tmp_path / "latest.md").read_text().startswith("# specdec serving benchmark")
     assert (tmp_path / "latest.png").stat().st_size > 0
     assert json.loads((tmp_path / "latest.json").read_text())["serving"]["levels"] == s["levels"]
+
+
+def test_the_serving_bench_measures_the_stack_specdec_up_runs():
+    """The default (--engine auto) resolves as `specdec up` does: llama.cpp for the GGUF default, n-gram drafting in
+    the orchestrator, the target on the draft's cores; --engine torch keeps the PyTorch stack."""
+    from bench.serving import parse_args, stack_config
+    from launcher.stack import LocalStack
+    from specdec.core.strategies import LOCAL_NGRAM
+
+    default = LocalStack(stack_config(parse_args(["--quick"]), 0))
+    assert (default.engine, default.draft_strategy, default.target_threads) == ("llamacpp", LOCAL_NGRAM, 2)
+    torch_stack = LocalStack(stack_config(parse_args(["--quick", "--engine", "torch"]), 0))
+    assert torch_stack.engine == "torch" and torch_stack.target_threads == 1
 
 
 @pytest.mark.serial  # 64 streams through real processes
