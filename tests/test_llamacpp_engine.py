@@ -450,3 +450,23 @@ def test_every_llama_decode_runs_on_the_engines_one_compute_thread(engine):
         for i in range(3):
             engine.release(f"compute-thread-{i}")
     assert len(seen) == 1 and next(iter(seen)).startswith("llama-compute")
+
+
+def test_a_new_session_never_evicts_one_in_the_same_batch():
+    """More new sessions in one batch than the engine has streams: the ones that fit verify as they would alone,
+    the rest get a clear error; none takes a batch-mate's sequence (that would merge two sessions' tokens)."""
+    small = make_engine(max_sessions=2)
+    try:
+        ids = prompt_ids(small, PROMPTS[0])
+        small.prefill("ref", 0, ids)
+        ref = small.decode("ref", len(ids), [], 2, GREEDY, 0, 0)[0]
+        small.release("ref")
+        jobs = [VerifyJob(f"new{i}", 0, ids, ref[:1], None, GREEDY, 0, 0) for i in range(3)]
+        small.verify_many(jobs)
+        outs = [j.outcome() for j in jobs[:2]]
+        assert [(o.num_accepted, o.next_token, o.cached_len) for o in outs] == [(1, ref[1], len(ids) + 1)] * 2
+        with pytest.raises(MemoryError, match="KV streams"):
+            jobs[2].outcome()
+        assert small.cached_sessions() == 2 and "new2" not in small
+    finally:
+        small.close()

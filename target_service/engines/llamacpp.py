@@ -194,13 +194,15 @@ class LlamaCppEngine:
 
     # ----- sessions (call with self._lock held) -----
 
-    def _sequence(self, session_id: str) -> _Sequence:
+    def _sequence(self, session_id: str, keep=()) -> _Sequence:
+        """The session's sequence, a new one if it has none; `keep`: sessions that must not be evicted for it (the
+        others in the same batch: a reused sequence id would merge two sessions' tokens)."""
         seq = self._sequences.get(session_id)
         if seq is not None:
             self._sequences.move_to_end(session_id)
             return seq
-        if len(self._sequences) >= self.max_sessions:
-            self._evict(keep=())
+        if len(self._sequences) >= self.max_sessions and not self._evict(keep=keep):
+            raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are in this batch")
         seq = _Sequence(session_id, self._free_ids.pop())
         self._sequences[session_id] = seq
         return seq
@@ -342,9 +344,10 @@ class LlamaCppEngine:
         t0 = time.perf_counter()
         with self._lock:
             ready = []
+            in_batch = {job.session_id for job in jobs}
             for job in jobs:
                 try:
-                    seq = self._sequence(job.session_id)
+                    seq = self._sequence(job.session_id, keep=in_batch)
                     new = self._sync(seq, job.prefix_len, job.delta)
                     ready.append((seq, job, new, len(seq.tokens) + len(new)))
                 except Exception as e:  # noqa: BLE001 - reported to that job's caller only
