@@ -470,3 +470,33 @@ def test_a_new_session_never_evicts_one_in_the_same_batch():
         assert small.cached_sessions() == 2 and "new2" not in small
     finally:
         small.close()
+
+
+def test_a_prompt_batched_with_others_is_computed_as_it_is_alone():
+    """llama.cpp's numerics depend on how a sequence's tokens are split across llama_decode calls (a 150-token
+    prompt cut in two ends with logits up to 0.9 away): a prompt sharing a batch with other sessions' prompts past
+    the batch size must not be cut where it would not be alone."""
+    import numpy as np
+    from bench.prompts import PROMPTS as BENCH_PROMPTS
+
+    small = make_engine(max_sessions=5)
+    try:
+        summaries = [prompt_ids(small, p.text) for p in BENCH_PROMPTS if p.kind == "summary"]
+        target, others = summaries[0], summaries[1:4]
+        assert sum(map(len, summaries[:4])) > small.batch_tokens
+
+        def last_logits(rows):
+            with small._lock:
+                out = small._forward([(small._sequence(sid), ids, 1) for sid, ids in rows])
+            for sid, _ in rows:
+                small.release(sid)
+            return out
+
+        alone = last_logits([("t", target)])[0]
+        rows = [(f"o{i}", ids) for i, ids in enumerate(others)]
+        assert np.array_equal(last_logits(rows + [("t", target)])[-1], alone)
+        assert np.array_equal(last_logits([("t", target)] + rows)[0], alone)
+        # with other sessions' short steps (llama.cpp would split the call into ubatches of 1 token a session)
+        assert np.array_equal(last_logits([("s0", others[0][:1]), ("t", target), ("s1", others[1][:3])])[1], alone)
+    finally:
+        small.close()

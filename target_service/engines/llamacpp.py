@@ -69,6 +69,33 @@ class LlamaModelInfo:
     kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
 
 
+SPLIT_SAFE_ROWS = 48  # a session's rows up to this many give the same logits however llama_decode splits them
+
+
+def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
+    numerics depend on how a long run of a sequence's tokens is split into ubatches (a 150-token prompt fed as 100
+    + 50 ends with logits up to 0.9 away from one call's), and with a stream per session llama.cpp splits a call
+    into ubatches of equally many tokens per sequence, so a prompt sharing a call with 1-token steps would be cut
+    after its first token. Blocks of up to SPLIT_SAFE_ROWS rows after a context are bitwise the same fed whole or
+    one by one, so those are packed up to `cap` rows; a longer group (a prompt) gets calls of its own, cut every
+    `cap` rows from its own start: exactly as when the session is alone."""
+    bounds: list[tuple[int, int]] = []
+    lo = pos = 0
+    for n in group_sizes:
+        alone = n > SPLIT_SAFE_ROWS
+        if pos > lo and (alone or pos - lo + n > cap):
+            bounds.append((lo, pos))
+            lo = pos
+        if alone:
+            bounds += [(pos + a, pos + min(n, a + cap)) for a in range(0, n, cap)]
+            lo = pos + n
+        pos += n
+    if pos > lo:
+        bounds.append((lo, pos))
+    return bounds
+
+
 @dataclass
 class _Sequence:
     session_id: str
@@ -253,7 +280,8 @@ class LlamaCppEngine:
         self._make_room(sum(len(tokens) for _, tokens, _ in rows), keep={seq.session_id for seq, _, _ in rows})
         entries = [((seq.seq_id,), token, len(seq.tokens) + i, i >= len(tokens) - n_logits)
                    for seq, tokens, n_logits in rows for i, token in enumerate(tokens)]
-        logits = self._decode(entries, [(seq.seq_id, len(seq.tokens)) for seq, _, _ in rows])
+        logits = self._decode(entries, [(seq.seq_id, len(seq.tokens)) for seq, _, _ in rows],
+                              [len(tokens) for _, tokens, _ in rows])
         for seq, tokens, _ in rows:
             seq.tokens.extend(tokens)
         result, at = [], 0
@@ -269,15 +297,16 @@ class LlamaCppEngine:
             if not self._evict(keep=keep):
                 raise MemoryError(f"llama.cpp KV cache of {self.context_tokens} tokens is full")
 
-    def _decode(self, entries, rollback) -> np.ndarray:
+    def _decode(self, entries, rollback, group_sizes=None) -> np.ndarray:
         """llama_decode `entries` (sequence ids, token, position, logits wanted) in order, batch by batch;
-        returns the wanted logits rows, float32 [n, vocab]. On failure every (seq_id, start) in `rollback` is
-        cut back to `start` (a failed decode may keep some of its ubatches) and the error raised."""
+        returns the wanted logits rows, float32 [n, vocab]. `group_sizes`: the entries' sessions, in order (None:
+        one); see _chunk_bounds. On failure every (seq_id, start) in `rollback` is cut back to `start` (a failed
+        decode may keep some of its ubatches) and the error raised."""
         out: list[np.ndarray] = []
         batch = self._batch
         try:
-            for lo in range(0, len(entries), self.batch_tokens):
-                chunk = entries[lo:lo + self.batch_tokens]
+            for lo, hi in _chunk_bounds(group_sizes or [len(entries)], self.batch_tokens):
+                chunk = entries[lo:hi]
                 n_out = 0
                 for j, (seq_ids, token, pos, want) in enumerate(chunk):
                     batch.token[j] = token
