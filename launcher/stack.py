@@ -226,6 +226,9 @@ def distilled_draft_pays() -> bool:
         return False
 
 
+LLAMACPP_SPECULATION_MAX_SESSIONS = 1  # more sessions generating than this: target-only (serving benchmark)
+
+
 class LocalStack:
     """Redis + target + draft replica(s) + orchestrator on loopback; stops everything it started."""
 
@@ -313,8 +316,12 @@ class LocalStack:
             raise ValueError(f"orchestrator argument {flag} {value!r} is not a number") from None
 
     def _sessions(self) -> list[str]:
-        """The orchestrator's admission and tree settings (cfg.orchestrator_args, later on its command line, win)."""
+        """The orchestrator's admission, tree and load-switch settings (cfg.orchestrator_args, later on its command
+        line, win). A llama.cpp target on a CPU is compute-bound: a batch of sessions' verify blocks costs nearly
+        its rows one by one, so with two or more sessions generating it decodes target-only (docs/engines.md)."""
         args = ["--max-sessions", str(self.cfg.max_sessions)]
+        if self.engine == "llamacpp":
+            args += ["--speculation-max-sessions", str(LLAMACPP_SPECULATION_MAX_SESSIONS)]
         return args + (["--tree-budget", str(self.cfg.tree_budget)] if self.cfg.tree_budget else [])
 
     def target_cache_args(self) -> list[str]:

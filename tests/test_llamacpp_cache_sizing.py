@@ -117,10 +117,12 @@ def test_run_and_up_size_the_targets_cache_from_the_orchestrators_sessions(tmp_p
     assert (flags.max_sessions, flags.tree_budget) == (12, 8)
     llama = stack(engine="llamacpp", max_sessions=12)
     assert llama.target_cache_args() == ["--max-sessions", "12"]
-    assert llama._sessions() == ["--max-sessions", "12"]
+    # a compute-bound llama.cpp target decodes target-only once two sessions generate
+    assert llama._sessions() == ["--max-sessions", "12", "--speculation-max-sessions", "1"]
+    assert stack(engine="torch", max_sessions=12)._sessions() == ["--max-sessions", "12"]
     trees = stack(engine="llamacpp", max_sessions=12, tree_budget=8)
     assert trees.target_cache_args() == ["--max-sessions", "12", "--llama-kv-unified"]
-    assert trees._sessions() == ["--max-sessions", "12", "--tree-budget", "8"]
+    assert trees._sessions() == ["--max-sessions", "12", "--speculation-max-sessions", "1", "--tree-budget", "8"]
     # the orchestrator's own arguments come last on its command line and win: the target follows them
     overridden = stack(engine="llamacpp", orchestrator_args=["--max-sessions", "5", "--tree-budget=6"])
     assert overridden.target_cache_args() == ["--max-sessions", "5", "--llama-kv-unified"]
