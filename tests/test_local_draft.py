@@ -81,3 +81,27 @@ def test_orchestrator_start_up_builds_the_local_drafter(redis_url):
             build_servicer(target.address, "local:model", redis_url, TARGET, LoopConfig())
     finally:
         target.stop(0)
+
+
+def test_dry_n_gram_steps_decode_more_tokens_per_call(redis_url, monkeypatch):
+    """While the drafter proposes nothing, the target decodes 1, 2, then --fallback-chunk tokens a call instead of
+    one Decode round trip per token; greedy output stays target-only's."""
+    from orchestrator.clients import TargetClient
+
+    asked = []
+    decode = TargetClient.decode
+
+    def counting(self, session_id, committed, pos, max_tokens, *a, **kw):
+        asked.append(max_tokens)
+        return decode(self, session_id, committed, pos, max_tokens, *a, **kw)
+
+    s = start_stack(redis_url, draft="local:ngram")
+    try:
+        prompt = list(range(3, 40))  # no n-gram repeats to look up
+        ref = s.client.generate(prompt, max_new_tokens=40, speculation=False, ignore_eos=True)
+        monkeypatch.setattr(TargetClient, "decode", counting)
+        got = s.client.generate(prompt, max_new_tokens=40, ignore_eos=True, max_draft_len=4)
+        assert got.token_ids == ref.token_ids
+        assert max(asked) > 1 and len(asked) < 40 - got.stats["draft_tokens_accepted"]
+    finally:
+        s.stop()

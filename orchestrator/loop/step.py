@@ -35,6 +35,7 @@ class Step:
             measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
             measured.draft_cost)
         self.tree = TreeStrategy(state, self) if cfg.tree_budget > 0 else None
+        self.dry_steps = 0  # steps in a row whose drafter proposed nothing (no n-gram match)
 
     def __call__(self, remaining: int) -> tuple[list[int], bool]:
         """(newly committed tokens before stop handling, whether the step ran degraded)."""
@@ -56,9 +57,14 @@ class Step:
         if replica is not None:
             new, failed = (self.tree.run if self.tree else self.chain)(replica, k, remaining)
             if new is not None:
+                self.dry_steps = 0
                 return new, False
             if not failed:
-                return self.decode(1, degraded=False), False  # nothing drafted: one target token, then draft again
+                # Nothing drafted: target tokens, then draft again; 1, 2, then fallback_chunk per call while the
+                # drafter stays dry (a Decode call per token cost an n-gram stack ~20 % against target-only).
+                n = min(fallback, 1 << min(self.dry_steps, 16))
+                self.dry_steps += 1
+                return self.decode(n, degraded=False), False
         # Every replica failed or is open: target-only for a few tokens, then try the draft again.
         return self.decode(fallback, degraded=True), True
 
