@@ -48,14 +48,15 @@ def positions(context: list[int], reply: list[int],
 def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int, forward_ms: list[float],
            fallback_chunk: int = 4) -> tuple[int, float, int, int]:
     """Decode every reply as the orchestrator's step does (orchestrator/loop/step.py): k capped by the tokens
-    left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft, one token; a
+    left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft 1, 2, then
+    `fallback_chunk` tokens while the drafter stays dry (reset by a verify); a
     scored draft is asked for at the policy's request_len and trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a
     factory of DraftLength-like objects (k, update(proposed, accepted), step_taken())."""
     tokens, cost, verifies, plain = 0, 0.0, 0, 0
     for table in tables:
         policy = make_policy() if callable(make_policy) else None
-        t = 0
+        t = dry = 0
         while t < len(table):
             remaining = len(table) - t
             here = table[t]
@@ -72,8 +73,10 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
                     policy.update(proposed, accepted)
                     policy.observe_evidence(list(here.scores[:proposed]), proposed, accepted)
                 step = accepted + 1
+                dry = 0
             else:
-                step = 1 if k > 0 else min(fallback_chunk, remaining)
+                step = min(fallback_chunk, remaining, 1 << min(dry, 16) if k > 0 else fallback_chunk)
+                dry += k > 0
                 if k <= 0 and policy is not None and policy.k == 0:
                     policy.step_taken()
                 cost += step * forward_ms[0]

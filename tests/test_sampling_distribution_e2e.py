@@ -158,6 +158,7 @@ def test_hybrid_drafter_sampling_matches_target_distribution(redis_url, expected
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
 
 
+@pytest.mark.serial  # the k it exercises follows measured step times: a loaded machine pauses drafting throughout
 def test_goodput_draft_length_sampling_matches_target_distribution(redis_url, expected, monkeypatch):
     """The goodput policy picks each step's k from earlier verify outcomes (this session's and all sessions'):
     the choice must not bias the output. A CPU-like cost profile makes it vary k, and pause drafting, per step."""
