@@ -53,6 +53,8 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
     scored draft is asked for at the policy's request_len and trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a
     factory of DraftLength-like objects (k, update(proposed, accepted), step_taken())."""
+    from orchestrator.draft_length import dry_decode_tokens
+
     tokens, cost, verifies, plain = 0, 0.0, 0, 0
     for table in tables:
         policy = make_policy() if callable(make_policy) else None
@@ -75,10 +77,13 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
                 step = accepted + 1
                 dry = 0
             else:
-                step = min(fallback_chunk, remaining, 1 << min(dry, 16) if k > 0 else fallback_chunk)
-                dry += k > 0
-                if k <= 0 and policy is not None and policy.k == 0:
-                    policy.step_taken()
+                if k > 0:  # an empty draft
+                    step = dry_decode_tokens(dry, min(fallback_chunk, remaining))
+                    dry += 1
+                else:
+                    step = min(fallback_chunk, remaining)
+                    if policy is not None and policy.k == 0:
+                        policy.step_taken()
                 cost += step * forward_ms[0]
                 plain += step
             t += step

@@ -10,7 +10,7 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.draft_length import make_draft_length
+from orchestrator.draft_length import dry_decode_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
 from orchestrator.loop.draft_call import DraftCall, replica_limit
 from orchestrator.loop.handover import PromptHandover
@@ -60,9 +60,7 @@ class Step:
                 self.dry_steps = 0
                 return new, False
             if not failed:
-                # Nothing drafted: target tokens, then draft again; 1, 2, then fallback_chunk per call while the
-                # drafter stays dry (a Decode call per token cost an n-gram stack ~20 % against target-only).
-                n = min(fallback, 1 << min(self.dry_steps, 16))
+                n = dry_decode_tokens(self.dry_steps, fallback)  # nothing drafted: target tokens, then draft again
                 self.dry_steps += 1
                 return self.decode(n, degraded=False), False
         # Every replica failed or is open: target-only for a few tokens, then try the draft again.
