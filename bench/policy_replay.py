@@ -49,11 +49,12 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
            fallback_chunk: int = 4) -> tuple[int, float, int, int]:
     """Decode every reply as the orchestrator's step does (orchestrator/loop/step.py): k capped by the tokens
     left; a paused policy (k = 0) decodes `fallback_chunk` tokens target-only; an empty draft 1, 2, then
-    `fallback_chunk` tokens while the drafter stays dry (reset by a verify); a
-    scored draft is asked for at the policy's request_len and trimmed by its verify_len.
+    `fallback_chunk` tokens while the drafter stays dry (reset by a verify), or `fallback_chunk` at once when it
+    was a paused policy's probe (which pauses again); a scored draft is asked for at the policy's request_len and
+    trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a
     factory of DraftLength-like objects (k, update(proposed, accepted), step_taken())."""
-    from orchestrator.draft_length import dry_decode_tokens
+    from orchestrator.draft_length import dry_decode_tokens, dry_step_tokens
 
     tokens, cost, verifies, plain = 0, 0.0, 0, 0
     for table in tables:
@@ -78,7 +79,8 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
                 dry = 0
             else:
                 if k > 0:  # an empty draft
-                    step = dry_decode_tokens(dry, min(fallback_chunk, remaining))
+                    chunk = min(fallback_chunk, remaining)
+                    step = dry_step_tokens(policy, dry, chunk) if policy is not None else dry_decode_tokens(dry, chunk)
                     dry += 1
                 else:
                     step = min(fallback_chunk, remaining)

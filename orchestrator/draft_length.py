@@ -40,6 +40,10 @@ class DraftLength:
     def step_taken(self) -> None:
         """Heuristic and fixed lengths never pause."""
 
+    def dry(self) -> bool:
+        """Heuristic and fixed lengths never pause: a step that drafted nothing takes the dry ramp."""
+        return False
+
     def request_len(self, k: int) -> int:
         """How many tokens to ask the drafter for when this step drafts k."""
         return k
@@ -316,6 +320,7 @@ class GoodputDraftLength:
         self.max_len = max(1, min(max_len, cost.max_tokens - 1))
         self.own = DiscountedAcceptance(self.DECAY)
         self.paused_steps = 0
+        self.probing = False  # k was set by a paused session's probe, not by a verify
         self.pipelined = False  # set by the generation: whether it prefetches the next block
         self.k = self.best()
 
@@ -355,6 +360,7 @@ class GoodputDraftLength:
         self.own.update(proposed, accepted)
         self.prior.update(proposed, accepted)
         self.paused_steps = 0
+        self.probing = False
         self.k = self.best()
 
     def _sessions(self) -> int:
@@ -366,6 +372,18 @@ class GoodputDraftLength:
             self.paused_steps += 1
             if self.paused_steps >= self.PROBE_EVERY:
                 self.k = self._argmax(1, self.cost.rows())
+                self.probing = True
+
+    def dry(self) -> bool:
+        """The drafter proposed nothing this step. A paused session's probe that comes back dry pauses again: it
+        decodes the target-only chunk and probes PROBE_EVERY steps later, as if it had not probed. Taking the dry
+        ramp instead (1, then 2 tokens per Decode call, a Propose every step) made a paused session pay two extra
+        round trips per dry probe that a target-only session does not (llama.cpp, one stream: 8-16 target calls for
+        24 tokens against target-only's 6). True when it paused again."""
+        if not self.probing:
+            return False
+        self.k, self.paused_steps, self.probing = 0, 0, False
+        return True
 
     def request_len(self, k: int) -> int:
         if self.evidence is None or not self.scored:
@@ -404,6 +422,12 @@ def dry_decode_tokens(dry_steps: int, chunk: int) -> int:
     row (0 first): 1, 2, then `chunk` per Decode call while it stays dry, so a dry spell does not cost a round trip
     per token (an n-gram stack on llama.cpp ran ~20 % behind target-only that way) and a new match is tried soon."""
     return min(chunk, 1 << min(dry_steps, 16))
+
+
+def dry_step_tokens(draft_len: AdaptiveLength, dry_steps: int, chunk: int) -> int:
+    """Target tokens to decode after a step whose drafter proposed nothing: `chunk` when that step was a paused
+    session's probe (draft_len.dry(): it pauses again, decoding as target-only does), else dry_decode_tokens."""
+    return chunk if draft_len.dry() else dry_decode_tokens(dry_steps, chunk)
 
 
 def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,

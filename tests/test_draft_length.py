@@ -55,6 +55,24 @@ def test_goodput_pauses_then_probes():
     assert d.k == 0  # the probe failed: paused again
 
 
+def test_goodput_a_probe_with_nothing_drafted_pauses_again():
+    d = GoodputDraftLength(16, TargetCost([10.0 * n for n in range(1, 18)]))
+    assert not d.dry()  # paused, not probing: nothing to undo
+    for _ in range(GoodputDraftLength.PROBE_EVERY):
+        d.step_taken()
+    assert d.k >= 1
+    assert d.dry() and d.k == 0  # the probe drafted nothing: paused, the next probe PROBE_EVERY steps on
+    for _ in range(GoodputDraftLength.PROBE_EVERY - 1):
+        d.step_taken()
+        assert d.k == 0
+    d.step_taken()
+    d.update(d.k, d.k)  # this probe was verified: k is the policy's again, no longer a probe's
+    assert not d.dry()
+    speculating = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
+    k = speculating.k
+    assert k >= 1 and not speculating.dry() and speculating.k == k  # a dry step of a drafting session keeps k
+
+
 def test_goodput_weighs_the_draft_cost():
     cheap = GoodputDraftLength(16, TargetCost(FLAT_TO_6))
     slow = GoodputDraftLength(16, TargetCost(FLAT_TO_6))

@@ -10,7 +10,7 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.draft_length import dry_decode_tokens, make_draft_length
+from orchestrator.draft_length import dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
 from orchestrator.loop.draft_call import DraftCall, replica_limit
 from orchestrator.loop.handover import PromptHandover
@@ -59,8 +59,8 @@ class Step:
             if new is not None:
                 self.dry_steps = 0
                 return new, False
-            if not failed:
-                n = dry_decode_tokens(self.dry_steps, fallback)  # nothing drafted: target tokens, then draft again
+            if not failed:  # nothing drafted: target tokens, then draft again
+                n = dry_step_tokens(self.draft_len, self.dry_steps, fallback)
                 self.dry_steps += 1
                 return self.decode(n, degraded=False), False
         # Every replica failed or is open: target-only for a few tokens, then try the draft again.

@@ -1,0 +1,88 @@
+"""What a speculative session's steps ask of the target and the drafter when speculation is off for it (load-shed,
+paused by the goodput draft length): the same Decode calls a target-only session makes, and no Propose (no n-gram
+lookup) while load-shed. Counted on orchestrator/loop/step.py's Step with a scripted target and drafter."""
+
+from __future__ import annotations
+
+import types
+
+from orchestrator.clients import DecodeReply, DraftReply, VerifyReply
+from orchestrator.draft_length import GoodputDraftLength, TargetCost
+from orchestrator.loop.state import Backends, LoopState, Measurements, StreamControl
+from orchestrator.loop.step import Step
+from orchestrator.session_store import SessionRecord
+from orchestrator.settings import LoopConfig
+
+FLAT = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # drafting pays
+LINEAR = [10.0 * n for n in range(1, 18)]  # a forward over n tokens costs n single ones: no draft ever pays
+NEW_TOKENS = 24
+
+
+def run_session(speculation: bool, profile: list[float], active: int = 1, drafts=lambda call: [],
+                shed_above: int = 0) -> dict:
+    """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry). Returns
+    the sizes of the Decode calls, the Verify calls' block sizes, the Propose calls and the session's stats."""
+    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation})
+    cfg = LoopConfig(speculation_max_sessions=shed_above)
+    measured = Measurements(active_sessions=lambda: active, target_cost=TargetCost(profile))
+    backends = Backends(None, types.SimpleNamespace(), None, set(), 100)
+    step = Step(LoopState(rec, cfg, backends, measured, StreamControl()))
+    calls = {"decode": [], "verify": [], "propose": 0}
+    replica = types.SimpleNamespace(address="local:ngram", info=None)
+    step.draft.pick_replica = lambda: replica
+
+    def propose(replica, k, kv=None):
+        tokens = drafts(calls["propose"])[:k]
+        calls["propose"] += 1
+        if not tokens:
+            return None, False
+        return DraftReply(tokens, [], len(rec.committed) + len(tokens), 0.1, False), False
+
+    def decode(n, degraded):
+        calls["decode"].append(n)
+        return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
+
+    def verify(reply):
+        calls["verify"].append(len(reply.tokens))
+        return VerifyReply(0, 7, len(rec.committed), 20.0, False)  # every draft rejected
+
+    step.draft.propose, step.target.decode, step.target.verify = propose, decode, verify
+    for _ in range(4 * NEW_TOKENS):
+        remaining = NEW_TOKENS - len(rec.generated)
+        if remaining <= 0:
+            break
+        new, _ = step(remaining)
+        rec.generated.extend(new[:remaining])
+    return {**calls, "stats": rec.stats, "k": step.draft_len.k}
+
+
+def test_a_load_shed_session_decodes_as_a_target_only_session_does():
+    target_only = run_session(False, FLAT)
+    shed = run_session(True, FLAT, active=4, shed_above=1, drafts=lambda i: [5, 6, 7])
+    assert target_only["decode"] == [4] * 6 and target_only["propose"] == 0
+    assert shed["stats"].load_shed_steps == 6
+    assert shed["decode"] == target_only["decode"] and shed["verify"] == []
+    assert shed["propose"] == 0  # no n-gram lookup while load-shed
+
+
+def test_a_paused_session_whose_probe_finds_no_draft_pauses_again():
+    """Goodput pauses (k = 0) and probes every PROBE_EVERY steps. A probe the drafter has nothing for used to
+    take the dry ramp (1, then 2 tokens per Decode, a Propose every step from then on): three calls for the
+    7 tokens target-only decodes in two. Now it decodes the target-only chunk and stays paused."""
+    target_only = run_session(False, LINEAR)
+    paused = run_session(True, LINEAR)  # the drafter never has anything
+    probes = GoodputDraftLength.PROBE_EVERY + 1  # steps between two probes, the probe included
+    assert paused["stats"].speculation_paused_steps > 0
+    assert paused["decode"] == target_only["decode"] == [4] * 6
+    assert paused["propose"] == len(paused["decode"]) // probes  # one lookup per probe, not one per step
+    assert paused["k"] == 0 or len(paused["decode"]) % probes == GoodputDraftLength.PROBE_EVERY
+
+
+def test_a_probe_that_drafts_is_verified_and_a_speculating_session_keeps_its_dry_ramp():
+    # The probe has a draft: it is verified (and rejected here), and the session pauses again.
+    paused = run_session(True, LINEAR, drafts=lambda i: [5, 6])
+    assert len(paused["verify"]) >= 1 and paused["verify"][0] >= 1
+    assert paused["stats"].speculation_paused_steps > 0
+    # A session that speculates (drafting pays) and finds no draft decodes 1, 2, then 4 tokens per call.
+    dry = run_session(True, FLAT)
+    assert dry["decode"][:3] == [1, 2, 4] and dry["propose"] == len(dry["decode"]) - 1  # not the last token
