@@ -61,7 +61,7 @@ def markdown(res: dict) -> str:
               f"total {_f(m.get('total_s'), 0)} s"
               + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in m["phases_s"].items()) + ")"
                  if m.get("phases_s") else ""),
-              *([f"- CPU affinity: " + "; ".join(
+              *(["- CPU affinity: " + "; ".join(
                   f"{k}: " + (", ".join(f"{n} on CPU {c}" for n, c in v.items()) if isinstance(v, dict) else v)
                   for k, v in m["cpu_affinity"].items())] if isinstance(m.get("cpu_affinity"), dict) else []),
               "- optional service flags: " + ", ".join(f"`{k}` {'yes' if v else 'no'}"

@@ -28,7 +28,6 @@ memory limit, lets running sessions finish.
 from __future__ import annotations
 
 import json
-import struct
 import threading
 import time
 from collections import OrderedDict
