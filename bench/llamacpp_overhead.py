@@ -52,7 +52,8 @@ def measure(threads: int, tokens: int, rounds: int, chunk: int) -> dict:
         engine._ll.inside, out, cached, delta = 0.0, [], len(ids) - 1, ids[-1:]
         t0 = time.perf_counter()
         while len(out) < tokens:
-            new, cached, _ = engine.decode("bench", cached, delta, min(chunk, tokens - len(out)), SamplingParams(), 0, 0)
+            n = min(chunk, tokens - len(out))
+            new, cached, _ = engine.decode("bench", cached, delta, n, SamplingParams(), 0, 0)
             out, delta = out + new, new[-1:]
         wall = time.perf_counter() - t0
         engine.release("bench")
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--chunk", type=int, default=4, help="tokens per engine.decode call (the orchestrator's fallback chunk)")
+    p.add_argument("--chunk", type=int, default=4,
+                   help="tokens per engine.decode call (the orchestrator's fallback chunk)")
     args = p.parse_args(argv)
     from bench.runner import cpu_model
 

@@ -194,8 +194,9 @@ class LlamaCppEngine:
         # many handler threads left earlier teams spinning on the cores the current one needs (2-thread target,
         # 2 cores: raw Decode RPCs ran at 0.64-0.75x a bare llama_decode loop from many threads, 0.94-0.97x
         # from this one). A whole call (a Decode's steps, a Verify, a prefill) runs there, not just its
-        # llama_decode: a hand-off per token cost two thread wake-ups (0.3 ms a token on an idle 2-core EPYC, several
-        # ms on a loaded one). The context's lock is only ever taken there (or briefly, without waiting for it).
+        # llama_decode: a hand-off per token cost two thread wake-ups (0.3 ms a token on the 2-core EPYC VM at load
+        # average 4, several ms at 8). The public calls take the context's lock there, so no thread holding it
+        # waits for the compute thread while that thread waits for the lock.
         self._compute_ident = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="llama-compute", initializer=self._mark_compute)
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()  # LRU order
@@ -313,9 +314,9 @@ class LlamaCppEngine:
         """llama_decode `entries` (sequence ids, token, position, logits wanted) in order, batch by batch;
         returns the wanted logits rows, float32 [n, vocab]. On the compute thread (the engine's own calls, which
         use the rows before their next llama_decode) the last call's rows are llama.cpp's buffer, not a copy of
-        49152 floats a token; a caller elsewhere gets copies. `group_sizes`: the entries' sessions, in order (None: one); see _chunk_bounds. On
-        failure every (seq_id, start) in `rollback` is cut back to `start` (a failed decode may keep some of its
-        ubatches) and the error raised."""
+        49152 floats a token; a caller elsewhere gets copies. `group_sizes`: the entries' sessions, in order (None:
+        one); see _chunk_bounds. On failure every (seq_id, start) in `rollback` is cut back to `start` (a failed
+        decode may keep some of its ubatches) and the error raised."""
         out: list[np.ndarray] = []
         batch = self._batch
         try:
