@@ -500,3 +500,44 @@ def test_a_prompt_batched_with_others_is_computed_as_it_is_alone():
         assert np.array_equal(last_logits([("s0", others[0][:1]), ("t", target), ("s1", others[1][:3])])[1], alone)
     finally:
         small.close()
+
+
+def test_a_decode_call_is_one_hand_off_to_the_compute_thread_and_greedy_as_the_argmax_of_each_step(engine):
+    """A target-only Decode runs all its steps on the compute thread (a hand-off per token cost two thread wake-ups)
+    and takes each step's logits row from llama.cpp's buffer without copying it; its greedy tokens are still those
+    of sampling.greedy_tokens over each step's own forward."""
+    import numpy as np
+
+    ids = prompt_ids(engine, PROMPTS[1])
+    n = 6
+    with engine._lock:  # the reference: one forward a token, its logits copied, torch's argmax
+        seq = engine._sequence("argmax-ref")
+        last, ref = engine._forward([(seq, ids, 1)])[0], []
+        for _ in range(n):
+            ref.append(int(sampling.greedy_tokens(torch.from_numpy(last))[-1]))
+            last = engine._forward([(seq, ref[-1:], 1)])[0]
+    engine.release("argmax-ref")
+
+    submits, rows = [], []
+    real_submit, real_forward = engine._compute.submit, engine._forward
+
+    def counting_submit(fn, *args):
+        submits.append(fn)
+        return real_submit(fn, *args)
+
+    def recording_forward(batch_rows):
+        out = real_forward(batch_rows)
+        rows.extend(out)
+        buffer = np.ctypeslib.as_array(engine._ll.llama_get_logits(engine._ctx), shape=(1, engine.vocab_size))
+        assert all(np.shares_memory(r, buffer) for r in out), "a step's logits row was copied"
+        return out
+
+    engine.prefill("argmax", 0, ids[:-1])
+    engine._compute.submit, engine._forward = counting_submit, recording_forward
+    try:
+        tokens, cached, _ = engine.decode("argmax", len(ids) - 1, ids[-1:], n, GREEDY, 0, 0)
+    finally:
+        del engine._compute.submit, engine._forward
+        engine.release("argmax")
+    assert tokens == ref and cached == len(ids) + n - 1
+    assert len(submits) == 1 and len(rows) == n

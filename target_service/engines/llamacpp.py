@@ -193,8 +193,12 @@ class LlamaCppEngine:
         # team of workers, and an idle team keeps spinning for a while: decodes arriving on the gRPC server's
         # many handler threads left earlier teams spinning on the cores the current one needs (2-thread target,
         # 2 cores: raw Decode RPCs ran at 0.64-0.75x a bare llama_decode loop from many threads, 0.94-0.97x
-        # from this one).
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="llama-compute")
+        # from this one). A whole call (a Decode's steps, a Verify, a prefill) runs there, not just its
+        # llama_decode: a hand-off per token cost two thread wake-ups (0.3 ms a token on the 2-core EPYC VM at load
+        # average 4, several ms at 8). The public calls take the context's lock there, so no thread holding it
+        # waits for the compute thread while that thread waits for the lock.
+        self._compute_ident = None
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="llama-compute", initializer=self._mark_compute)
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()  # LRU order
         self._free_ids = list(range(self.max_sessions + 1))
         self.evictions = 0
@@ -209,6 +213,15 @@ class LlamaCppEngine:
     @property
     def vocab_size(self) -> int:
         return self._n_vocab
+
+    def _mark_compute(self) -> None:
+        self._compute_ident = threading.get_ident()
+
+    def _on_compute(self, fn, *args):
+        """fn(*args) on the llama-compute thread: at once when already there, else handed over and waited for."""
+        if threading.get_ident() == self._compute_ident:
+            return fn(*args)
+        return self._compute.submit(fn, *args).result()
 
     def close(self) -> None:
         with self._lock:
@@ -272,7 +285,7 @@ class LlamaCppEngine:
 
     def _forward(self, rows: list[tuple[_Sequence, list[int], int]]) -> list[np.ndarray]:
         """Append each row's tokens to its sequence in as few llama_decode calls as the batch size allows;
-        returns each row's logits for its last n_logits tokens, float32 [n_logits, vocab]."""
+        returns each row's logits for its last n_logits tokens, float32 [n_logits, vocab] (see _decode)."""
         for seq, tokens, _ in rows:
             if len(seq.tokens) + len(tokens) > self.loaded.max_context:
                 raise ContextTooLong(f"context of {len(seq.tokens) + len(tokens)} tokens exceeds the limit of "
@@ -299,13 +312,17 @@ class LlamaCppEngine:
 
     def _decode(self, entries, rollback, group_sizes=None) -> np.ndarray:
         """llama_decode `entries` (sequence ids, token, position, logits wanted) in order, batch by batch;
-        returns the wanted logits rows, float32 [n, vocab]. `group_sizes`: the entries' sessions, in order (None:
+        returns the wanted logits rows, float32 [n, vocab]. On the compute thread (the engine's own calls, which
+        use the rows before their next llama_decode) the last call's rows are llama.cpp's buffer, not a copy of
+        49152 floats a token; a caller elsewhere gets copies. `group_sizes`: the entries' sessions, in order (None:
         one); see _chunk_bounds. On failure every (seq_id, start) in `rollback` is cut back to `start` (a failed
         decode may keep some of its ubatches) and the error raised."""
         out: list[np.ndarray] = []
         batch = self._batch
         try:
-            for lo, hi in _chunk_bounds(group_sizes or [len(entries)], self.batch_tokens):
+            bounds = _chunk_bounds(group_sizes or [len(entries)], self.batch_tokens)
+            view = threading.get_ident() == self._compute_ident
+            for lo, hi in bounds:
                 chunk = entries[lo:hi]
                 n_out = 0
                 for j, (seq_ids, token, pos, want) in enumerate(chunk):
@@ -317,14 +334,14 @@ class LlamaCppEngine:
                     batch.logits[j] = want
                     n_out += want
                 batch.n_tokens = len(chunk)
-                rc = self._compute.submit(self._ll.llama_decode, self._ctx, batch).result()
+                rc = self._on_compute(self._ll.llama_decode, self._ctx, batch)
                 if rc == 1:
                     raise MemoryError("llama.cpp found no KV cache slot for the batch")
                 if rc != 0:
                     raise RuntimeError(f"llama_decode failed (code {rc})")
                 if n_out:
-                    ptr = self._ll.llama_get_logits(self._ctx)
-                    out.append(np.ctypeslib.as_array(ptr, shape=(n_out, self._n_vocab)).copy())
+                    rows = np.ctypeslib.as_array(self._ll.llama_get_logits(self._ctx), shape=(n_out, self._n_vocab))
+                    out.append(rows if view and hi == bounds[-1][1] else rows.copy())  # the next call overwrites
         except BaseException:
             for seq_id, start in rollback:
                 self._ll.llama_memory_seq_rm(self._mem, seq_id, start, -1)
@@ -334,6 +351,9 @@ class LlamaCppEngine:
     # ----- the TargetBackend interface -----
 
     def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+        return self._on_compute(self._prefill, session_id, prefix_len, delta)
+
+    def _prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
         with self._lock:
             seq = self._sequence(session_id)
             if delta or prefix_len < len(seq.tokens):
@@ -354,6 +374,9 @@ class LlamaCppEngine:
 
     def verify_many(self, jobs: list[VerifyJob]) -> None:
         """Several sessions' blocks in one llama_decode; each job gets its outcome or its error."""
+        self._on_compute(self._verify_many, jobs)
+
+    def _verify_many(self, jobs: list[VerifyJob]) -> None:
         chains = []
         for job in jobs:
             if job.tree_parents is not None:  # a tree has its own sequences: one decode per tree
@@ -367,7 +390,7 @@ class LlamaCppEngine:
         if first:
             self._verify_batch(first)
         if later:
-            self.verify_many(later)
+            self._verify_many(later)
 
     def _verify_batch(self, jobs: list[VerifyJob]) -> None:
         t0 = time.perf_counter()
@@ -395,9 +418,12 @@ class LlamaCppEngine:
                     gen = job.generator
                     if gen is None and not job.params.is_greedy:
                         gen = sampling.make_generator(job.seed, job.step, "verify")
-                    # Row i predicts draft token i; the last row predicts the bonus token.
-                    result = sampling.verify(torch.from_numpy(logits), job.draft_tokens, job.draft_probs,
-                                             job.params, gen)
+                    if job.params.is_greedy and not job.draft_tokens:  # a target-only step: the row's argmax
+                        job.params.validate()  # (the first maximum, as sampling.greedy_tokens), without torch
+                        result = sampling.VerifyResult(0, int(logits[0].argmax()))
+                    else:  # row i predicts draft token i; the last row predicts the bonus token
+                        result = sampling.verify(torch.from_numpy(logits), job.draft_tokens, job.draft_probs,
+                                                 job.params, gen)
                     self._crop(seq, context_len + result.num_accepted)  # the next token has no KV yet
                     job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
                                                (time.perf_counter() - t0) * 1e3, len(ready))
@@ -463,8 +489,10 @@ class LlamaCppEngine:
 
     def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
                stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
-        return decode_as_verify_steps(self._submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                                      stop_token_ids)
+        args = (self._submit, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
+        if self.batcher is not None:  # each step may join other sessions' batch: the batcher hands it over
+            return decode_as_verify_steps(*args)
+        return self._on_compute(decode_as_verify_steps, *args)  # every step on the compute thread, one hand-off
 
     def release(self, session_id: str) -> bool:
         if self.batcher is not None:
@@ -477,6 +505,9 @@ class LlamaCppEngine:
 
     def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
         """As TargetEngine.profile_forward_ms: one forward over n tokens with logits for all n, after `context`."""
+        return self._on_compute(self._profile_forward_ms, max_tokens, context, reps)
+
+    def _profile_forward_ms(self, max_tokens: int, context: int, reps: int) -> list[float]:
         vocab = self._n_vocab
         with self._lock:
             seq = _Sequence("\x00profile", self._free_ids.pop())  # the spare sequence: no session is evicted
