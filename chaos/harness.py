@@ -161,6 +161,15 @@ class ChaosHarness:
         for t in new:
             t.wait_ready(300)
         s.cfg.target_replicas = len(s.targets)
+        # The network scenarios routed the orchestrator to the first target and Redis through proxies (the
+        # --target/--redis they appended win over the stack's own): the pool reaches every target directly.
+        args = s.cfg.orchestrator_args
+        while "--target" in args or "--redis" in args:
+            i = args.index("--target") if "--target" in args else args.index("--redis")
+            del args[i:i + 2]
+        for p in self.proxies.values():
+            p.close()
+        self.proxies = {}
         s.orchestrator.stop()
         s.start_orchestrator()
         self.opts = opts
