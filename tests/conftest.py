@@ -39,5 +39,7 @@ LONG_MODULES_FIRST = ("test_sampling_distribution_e2e.py", "test_tree_distributi
 
 
 def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: the order changes nothing but the order
+        return
     rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every module keeps its own order
