@@ -14,6 +14,7 @@ NETWORK_SCENARIOS = ("target_latency", "target_partition", "target_conn_drop", "
 SCENARIOS += NETWORK_SCENARIOS
 # A slowed or hung target, and sampling under draft faults (chaos/faults_target.py)
 SCENARIOS += ("slow_target", "hang_target", "sampling_draft_faults")
-# Two target replicas: its own stack (chaos/target_pool.py); kept last, it restarts the harness
+# Two target replicas (chaos/target_pool.py); kept last: a second target joins the shared stack and the
+# orchestrator restarts with both
 SCENARIOS += ("kill_target_pool",)
 DRAFT_FAULTS = ("slow_draft", "hang_draft", "kill_draft", "kill_all_drafts")

@@ -354,7 +354,10 @@ def run_scenarios(names: list[str], opts: ChaosOptions, emit=None) -> list[dict]
     try:
         for name in names:
             wanted = options_for(name, opts)
-            if harness is None or opts.fresh_stack or harness.opts.target_replicas != wanted.target_replicas:
+            replicas = harness.opts.target_replicas if harness is not None else 0
+            if harness is not None and not opts.fresh_stack and 0 < replicas < wanted.target_replicas:
+                harness.add_targets(wanted)  # kill_target_pool: one more target on the shared stack
+            elif harness is None or opts.fresh_stack or replicas != wanted.target_replicas:
                 if harness is not None:
                     harness.stop()
                 harness = ChaosHarness(wanted).start()

@@ -363,6 +363,13 @@ def _main(argv: list[str]) -> int:
         from offline.datastore_build import main as datastore_main
 
         return datastore_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from launcher.serve_check import refusal
+
+        refused = refusal(argv[1:])  # before the service's module imports torch: a refusal takes no seconds
+        if refused is not None:
+            print(f"specdec serve {argv[1]}: {refused}", file=sys.stderr)
+            return refused.exit_code
     args = build_parser(with_services=argv[:1] == ["serve"]).parse_args(argv)
     if args.command not in ("generate", "run"):
         return args.func(args)

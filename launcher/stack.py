@@ -396,14 +396,8 @@ class LocalStack:
                 self.redis.start()
             if cfg.target_replicas < 1:
                 raise ValueError(f"target_replicas must be at least 1, got {cfg.target_replicas}")
-            for i in range(cfg.target_replicas):
-                name = "target" if i == 0 else f"target{i}"
-                self.targets.append(ServiceProcess(
-                    name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(self.target_threads),
-                           "--engine", self.engine, *self._target_metrics(i), *self._batching(), *self._affinity(name),
-                           *self.target_cache_args(), *cfg.target_args],
-                    self.log_dir))
-                self.targets[-1].start()  # tracked before its process exists: a Ctrl-C now still stops it
+            for _ in range(cfg.target_replicas):
+                self.add_target()
             for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i), *self._affinity(f"draft{i}")]
@@ -421,6 +415,17 @@ class LocalStack:
             stop_reporting.set()
             if reporter is not None:
                 reporter.join(5.0)  # its last report is out before the caller writes on
+
+    def add_target(self) -> ServiceProcess:
+        """Start one more target replica (not yet ready); a running orchestrator sees it once restarted."""
+        cfg, i = self.cfg, len(self.targets)
+        name = "target" if i == 0 else f"target{i}"
+        self.targets.append(ServiceProcess(
+            name, ["target", "--model", cfg.target_model, "--listen", f"{cfg.host}:0", *self._common(self.target_threads),
+                   "--engine", self.engine, *self._target_metrics(i), *self._batching(), *self._affinity(name),
+                   *self.target_cache_args(), *cfg.target_args],
+            self.log_dir))
+        return self.targets[-1].start()  # tracked before its process exists: a Ctrl-C now still stops it
 
     def start_orchestrator(self, target_addr: str | None = None, draft_addrs: list[str] | None = None,
                            timeout: float = 120.0) -> str:

@@ -32,7 +32,7 @@ from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
 from specdec.core import settings
 from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
-from specdec.core.security import is_loopback, principal_of, read_secret, read_tokens, require_authentication, url_with_password
+from specdec.core.security import is_loopback, principal_of, read_secret, require_public_auth, url_with_password
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -548,15 +548,7 @@ def serve(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{flag}: {e}") from None
     if not 0.1 <= args.session_lease_s <= 3600:
         raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
-    tokens, admin_tokens = read_tokens(args.auth_tokens_file), read_tokens(args.admin_tokens_file)
-    if (args.auth_tokens_file or args.admin_tokens_file) and not (tokens or admin_tokens):
-        raise StartupError(f"no bearer tokens in {args.auth_tokens_file or args.admin_tokens_file}")
-    mtls_public = bool(args.tls_cert and args.tls_key and args.tls_ca) and not args.tls_public_no_client_cert
-    require_authentication(args.listen, bool(tokens or admin_tokens) or mtls_public, args.insecure,
-                           "give --auth-tokens-file (bearer tokens) or mutual TLS on the public port")
-    if args.http_listen:  # the HTTP API authenticates by bearer token only
-        require_authentication(args.http_listen, bool(tokens or admin_tokens), args.insecure,
-                               "give --auth-tokens-file (bearer tokens) for the HTTP API")
+    tokens, admin_tokens = require_public_auth(args)
     store_url = args.redis
     if args.redis_password_file:
         if "://" not in store_url or store_url.startswith("memory"):

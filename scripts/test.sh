@@ -20,6 +20,8 @@ if [ "$workers" -le 1 ]; then
   exec "${pytest[@]}"
 fi
 echo "== part 1: tests not marked serial, on $workers workers"
-"${pytest[@]}" -n "$workers" -m "not heavy and not serial"
+# worksteal: a worker that runs out takes queued tests from the other; with the longest modules collected first
+# (tests/conftest.py) the part ends on short tests instead of one worker finishing a long one alone.
+"${pytest[@]}" -n "$workers" --dist worksteal -m "not heavy and not serial"
 echo "== part 2: timing-sensitive tests (marker serial), one at a time"
 "${pytest[@]}" -m "not heavy and serial"

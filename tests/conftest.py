@@ -27,3 +27,19 @@ def redis_server():
 @pytest.fixture(scope="session")
 def redis_url(redis_server):
     return redis_server.url
+
+
+# Modules with tests of 10-60 s each (durations of scripts/test.sh's parallel part on the 2-core CI machine),
+# longest first. They are collected first, so pytest-xdist hands them out at the start and the run ends on short
+# tests: alphabetically the distribution tests came last, and one worker ran a minute-long test alone at the end.
+LONG_MODULES_FIRST = ("test_sampling_distribution_e2e.py", "test_tree_distribution_e2e.py", "test_multihost.py",
+                      "test_cli.py", "test_llamacpp_engine.py", "test_http_api.py", "test_models.py",
+                      "test_processes.py", "test_serving_bench.py", "test_redis_sentinel.py", "test_datastore.py",
+                      "test_target_pool.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: the order changes nothing but the order
+        return
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every module keeps its own order

@@ -14,7 +14,6 @@ from chaos import DRAFT_FAULTS, NETWORK_SCENARIOS, SCENARIOS
 from chaos.report import markdown
 from chaos.scenarios import checks
 
-pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
 
 RUN_TIMEOUT_S = 600  # the budget is 3-6 minutes on a busy host; this only stops a hung run
 # Cheap to run but close to a default-suite scenario (a slower link, connections cut): only with -m heavy.
@@ -50,6 +49,7 @@ def _why(res: dict) -> str:
     return json.dumps({k: res.get(k) for k in keep}, indent=1)[:6000]
 
 
+@pytest.mark.serial  # stall bounds: the scenarios run alone after the parallel part (scripts/test.sh)
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # the first one runs the whole suite in its fixture: past the 300 s default
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY_SCENARIOS else n
                                   for n in SCENARIOS])

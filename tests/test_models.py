@@ -363,7 +363,7 @@ def test_smollm2_converts_once(smollm2_dir):
     before = {f.name: f.stat().st_mtime_ns for f in d.iterdir()}
     t0 = time.monotonic()
     assert M.ensure_smollm2() == d
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # a conversion takes 20 s and more; a loaded host may take a second to look
     assert {f.name: f.stat().st_mtime_ns for f in d.iterdir()} == before
 
 

@@ -64,7 +64,10 @@ PORTS = {"redis": 6379, "target": 50052, "draft": 50051, "orch": 50050}
 DRAFT_INNER_PORT = 50061  # relay mode: the draft service listens here on the draft host's loopback
 SERVICE = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--insecure"]
 
-pytestmark = [pytest.mark.multihost, pytest.mark.serial]  # serial: timing-sensitive (scripts/test.sh)
+# Not serial: every check is on tokens, completions and moves, none on speed (a loaded host only makes the
+# generations the kills must land in longer); the per-delay tokens/s it prints are indicative in a parallel run,
+# docs/deploy.md quotes a run of this file alone.
+pytestmark = pytest.mark.multihost
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from specdec.client import SpecdecClient
 from launcher.stack import LocalStack, StackConfig
 from tests.harness import DRAFT_EARLY, TARGET
 
-pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
 
 PROMPT = [1, 5, 9, 12, 5, 9]
 MAX_NEW = 400
@@ -25,6 +24,7 @@ def stack(tmp_path_factory):
     s.stop()
 
 
+@pytest.mark.serial  # the kill must land while the generation runs: alone after the rest (scripts/test.sh)
 def test_orchestrator_restart_mid_generation_loses_and_duplicates_nothing(stack):
     with SpecdecClient(stack.address) as client:
         reference = client.generate(PROMPT, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True).token_ids

@@ -187,6 +187,54 @@ def test_unauthenticated_service_beyond_loopback_refuses_to_start(service, extra
     assert "--insecure" in lines[0]
 
 
+@pytest.mark.parametrize("service, extra", [
+    ("target", ["--model", TARGET]),
+    ("draft", ["--strategy", "ngram", "--model", TARGET]),
+    ("orchestrator", ["--target", "127.0.0.1:1", "--redis", "memory"]),
+])
+def test_refusal_comes_before_torch_is_imported(service, extra):
+    """The refusal is read from the flags alone (launcher/serve_check.py): no second spent importing torch."""
+    code = ("import sys; from launcher.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA", "SPECDEC_AUTH_TOKENS_FILE",
+                "SPECDEC_ADMIN_TOKENS_FILE"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", code, "serve", service, "--listen", "0.0.0.0:0", *extra],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == security.INSECURE_EXIT_CODE, (out.returncode, out.stderr)
+    assert out.stdout.strip() == "no torch", out.stdout
+    assert out.stderr.startswith(f"specdec serve {service}: refusing to serve on 0.0.0.0:0 without authentication")
+
+
+def test_early_refusal_leaves_what_it_cannot_judge_to_the_service(tmp_path):
+    from launcher.serve_check import refusal
+
+    tokens, empty = tmp_path / "tokens", tmp_path / "empty"
+    tokens.write_text("t0k3n\n")
+    empty.write_text("# none\n")
+    tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"]
+    for service in ("target", "draft", "orchestrator"):
+        assert isinstance(refusal([service, "--listen", "0.0.0.0:1"]), security.UnauthenticatedListener)
+        assert isinstance(refusal([service, "--listen=0.0.0.0:1", "--threads", "2"]), security.UnauthenticatedListener)
+        assert refusal([service, "--listen", "0.0.0.0:1", "--insecure"]) is None
+        assert refusal([service, "--listen", "127.0.0.1:1"]) is None
+        assert refusal([service, "--listen", "0.0.0.0:1", "--help"]) is None  # help first, as argparse does
+        assert refusal([service, "--lis", "0.0.0.0:1"]) is None  # an abbreviation: argparse expands it
+        assert refusal([service, "--listen", "0.0.0.0:1", "--tls-c", "x"]) is None
+        assert refusal([service, "--listen"]) is None  # no value: the full parser's usage error
+    assert refusal(["target", "--listen", "0.0.0.0:1", *tls]) is None  # mutual TLS
+    assert refusal(["draft"]) is None and refusal(["orchestrator"]) is None  # loopback defaults
+    assert refusal(["orchestrator", "--listen", "0.0.0.0:1", "--http-listen", "", "--auth-tokens-file",
+                    str(tokens)]) is None
+    assert refusal(["orchestrator", "--listen", "0.0.0.0:1", "--http-listen", "", *tls]) is None
+    http = refusal(["orchestrator", "--listen", "0.0.0.0:1", "--http-listen", "0.0.0.0:8000", *tls])
+    assert "0.0.0.0:8000" in str(http)  # mutual TLS covers the gRPC port, not the HTTP API
+    # An empty tokens file is the service's own error (StartupError), not this refusal.
+    assert refusal(["orchestrator", "--listen", "0.0.0.0:1", "--auth-tokens-file", str(empty)]) is None
+    assert refusal(["certs"]) is None and refusal([]) is None
+
+
 def test_insecure_flag_lets_a_service_start_beyond_loopback():
     proc, line = _serve("target", "--listen", "0.0.0.0:0", "--model", TARGET, "--device", "cpu", "--insecure",
                         ready=True)

@@ -161,7 +161,6 @@ def test_report_table_and_plot(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.serial  # real processes on a shared machine
 def test_serving_bench_end_to_end_json_shape(tmp_path):
     from bench.serving import main
 

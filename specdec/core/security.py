@@ -70,6 +70,21 @@ def require_mtls(args) -> None:
     require_authentication(args.listen, authenticated, args.insecure, MTLS_HINT)
 
 
+def require_public_auth(args) -> tuple[list[str], list[str]]:
+    """The orchestrator: its public port and HTTP API beyond loopback need bearer tokens (or mutual TLS on the
+    gRPC port). Returns the (user, admin) bearer tokens read from their files."""
+    tokens, admin_tokens = read_tokens(args.auth_tokens_file), read_tokens(args.admin_tokens_file)
+    if (args.auth_tokens_file or args.admin_tokens_file) and not (tokens or admin_tokens):
+        raise StartupError(f"no bearer tokens in {args.auth_tokens_file or args.admin_tokens_file}")
+    mtls_public = bool(args.tls_cert and args.tls_key and args.tls_ca) and not args.tls_public_no_client_cert
+    require_authentication(args.listen, bool(tokens or admin_tokens) or mtls_public, args.insecure,
+                           "give --auth-tokens-file (bearer tokens) or mutual TLS on the public port")
+    if args.http_listen:  # the HTTP API authenticates by bearer token only
+        require_authentication(args.http_listen, bool(tokens or admin_tokens), args.insecure,
+                               "give --auth-tokens-file (bearer tokens) for the HTTP API")
+    return tokens, admin_tokens
+
+
 # --------------------------------------------------------------------------------------------------
 # URLs that carry a password
 # --------------------------------------------------------------------------------------------------
