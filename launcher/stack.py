@@ -335,11 +335,14 @@ class LocalStack:
         """The orchestrator's admission, tree and load-switch settings (cfg.orchestrator_args, later on its command
         line, win). A llama.cpp target on a CPU is compute-bound: a batch of sessions' verify blocks costs nearly
         its rows one by one, so with two or more sessions generating it decodes target-only (docs/engines.md)."""
-        args = ["--max-sessions", str(self.cfg.max_sessions), "--max-running", str(self.cfg.max_running),
-                "--queue-timeout-s", str(self.cfg.queue_timeout_s)]
+        args = ["--max-sessions", str(self.cfg.max_sessions)]
         if self.engine == "llamacpp":
             args += ["--speculation-max-sessions", str(LLAMACPP_SPECULATION_MAX_SESSIONS)]
         return args + (["--tree-budget", str(self.cfg.tree_budget)] if self.cfg.tree_budget else [])
+
+    def _admission(self) -> list[str]:
+        """How many generations run at once and how long the others may wait (orchestrator/admission.py)."""
+        return ["--max-running", str(self.cfg.max_running), "--queue-timeout-s", str(self.cfg.queue_timeout_s)]
 
     def target_sessions(self) -> int:
         """The sessions' caches each target keeps. torch: one for every session the orchestrator admits (its caches
@@ -467,7 +470,8 @@ class LocalStack:
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
-                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._sessions(), *self._metrics(0),
+                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._sessions(), *self._admission(),
+                *self._metrics(0),
                 "--http-listen", "" if self.cfg.http_port is None else f"{self.cfg.host}:{self.cfg.http_port}",
                 *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir)

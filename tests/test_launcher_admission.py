@@ -29,7 +29,7 @@ def test_up_and_run_take_the_admission_flags_with_the_orchestrators_defaults():
 
 def test_the_orchestrators_command_line_carries_them(tmp_path):
     stack = LocalStack(StackConfig(max_running="3", queue_timeout_s=7.5), str(tmp_path))
-    args = stack._sessions()
+    args = stack._admission()
     assert args[args.index("--max-running") + 1] == "3" and args[args.index("--queue-timeout-s") + 1] == "7.5"
     assert StackConfig().max_running == "auto"  # the orchestrator's own default
 
