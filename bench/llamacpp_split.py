@@ -16,16 +16,10 @@ import time
 
 import numpy as np
 
-from bench.prompts import PROMPTS
+from bench.prompts import PROMPTS, encode
 from specdec.models import smollm2_gguf_path
 from target_service.engines import llamacpp
 from target_service.engines.llamacpp import LlamaCppEngine
-
-
-def chat_ids(engine, text: str) -> list[int]:
-    ids = engine.loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=True)
-    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
 def feed(engine, tokens: list[int], size: int, all_rows: bool = True) -> list[np.ndarray]:
@@ -57,7 +51,7 @@ def main(argv=None) -> None:
     engine = LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=args.threads, max_sessions=1,
                             session_tokens=1024)
     try:
-        summaries = [chat_ids(engine, p.text) for p in PROMPTS if p.kind == "summary"]
+        summaries = [encode(p, engine.loaded.tokenizer) for p in PROMPTS if p.kind == "summary"]
         one_by_one = np.concatenate(feed(engine, summaries[0], 1))
         for size in map(int, args.sizes.split(",")):
             drift = np.abs(np.concatenate(feed(engine, summaries[0], size)) - one_by_one).max(axis=1)
