@@ -389,11 +389,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def cache_bounds(stack) -> dict:
-    """The KV cache bounds the services run with (`specdec up` passes none: the settings' defaults)."""
+    """The KV cache bounds the services run with: the target's sessions as the stack sizes them
+    (LocalStack.target_sessions), the rest the settings' defaults (`specdec up` passes none)."""
     from draft_service.settings import DraftSettings
     from target_service.settings import TargetSettings
 
-    out = {"target": {"max_sessions": TargetSettings.max_sessions, "max_cache_mb": TargetSettings.max_cache_mb}}
+    out = {"target": {"max_sessions": stack.target_sessions(), "max_cache_mb": TargetSettings.max_cache_mb}}
     for d in stack.drafts:
         out[d.name] = {"max_sessions": DraftSettings.max_sessions, "max_cache_mb": DraftSettings.max_cache_mb}
     return out

@@ -10,7 +10,7 @@ import time
 
 
 def _stack_arguments(p: argparse.ArgumentParser) -> None:
-    from launcher.stack import StackConfig
+    from launcher.stack import LLAMACPP_SPARE_STREAMS, StackConfig
 
     p.add_argument("--target-model", default=StackConfig.target_model, help="target model spec (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
@@ -35,9 +35,16 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                    help="target: wait up to this long to batch concurrent sessions' steps (default: 5 for `up`, "
                         "0 for `run`'s one session)")
     p.add_argument("--max-sessions", type=int,
-                   help="concurrent generations the orchestrator admits; each target keeps a KV cache for as many "
-                        "(the llama.cpp engine allocates them at start, 45 MiB each for SmolLM2, within the "
-                        "target's --max-cache-mb; default: 64 for `up`, 1 for `run`'s one generation)")
+                   help="concurrent generations the orchestrator admits, running and queued; each target keeps a KV "
+                        "cache for as many (default: 64 for `up`, 1 for `run`'s one generation), except a batching "
+                        "llama.cpp target (below)")
+    p.add_argument("--max-running", type=_max_running, default=StackConfig.max_running,
+                   help="generations decoding at once; the others wait in the orchestrator's admission queue (auto: "
+                        "what the targets cache and batch in one forward). A batching llama.cpp target allocates "
+                        f"KV streams (45 MiB each for SmolLM2) for these and {LLAMACPP_SPARE_STREAMS} more, at most "
+                        "--max-sessions; a queued session gets one when it runs")
+    p.add_argument("--queue-timeout-s", type=_positive_seconds, default=StackConfig.queue_timeout_s,
+                   help="the longest a generation waits in the admission queue; then RESOURCE_EXHAUSTED (HTTP 429)")
     p.add_argument("--tree-budget", type=int, default=StackConfig.tree_budget,
                    help="tree speculation: the draft proposes a token tree of up to N nodes (0 = chains); a llama.cpp "
                         "target then runs its unified KV cache, which trees need but which makes a session's greedy "
@@ -58,6 +65,22 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None)
 
 
+def _max_running(value: str) -> str:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"auto or a number of at least 1, not {value!r}")
+    return value
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"seconds above 0, not {value!r}")
+    return seconds
+
+
 def _stack_config(args):
     from launcher.stack import StackConfig
 
@@ -66,7 +89,8 @@ def _stack_config(args):
                        target_replicas=args.target_replicas,
                        adaptive_draft_len=args.adaptive_draft_len, pipeline=args.pipeline,
                        batch_window_ms=args.batch_window_ms,
-                       max_sessions=args.max_sessions, tree_budget=args.tree_budget,
+                       max_sessions=args.max_sessions, max_running=args.max_running,
+                       queue_timeout_s=args.queue_timeout_s, tree_budget=args.tree_budget,
                        store=args.store, engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype,
                        pin_cpus=args.pin_cpus)
 

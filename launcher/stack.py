@@ -140,6 +140,10 @@ class StackConfig:
     # The orchestrator admits max_sessions generations; each target keeps that many sessions' caches (a llama.cpp
     # target allocates a KV stream for each at start). Also read from orchestrator_args, where those win.
     max_sessions: int = ServerSettings.max_sessions
+    # Admission (orchestrator/admission.py): generations decoding at once (auto: what the targets cache and batch),
+    # the others wait in its queue up to queue_timeout_s. Also read from orchestrator_args, where those win.
+    max_running: str = ServerSettings.max_running
+    queue_timeout_s: float = ServerSettings.queue_timeout_s
     tree_budget: int = LoopConfig.tree_budget  # >0: token trees; a llama.cpp target then runs its unified KV cache
     store: str = "redis"  # redis (a private redis-server) or memory
     # The target's engine (target_service/engines/select.py). The library keeps torch (tests and chaos runs count on
@@ -227,6 +231,28 @@ def distilled_draft_pays() -> bool:
 
 
 LLAMACPP_SPECULATION_MAX_SESSIONS = 1  # more sessions generating than this: target-only (serving benchmark)
+# KV streams a llama.cpp target keeps beyond the sessions admission runs at once: caches of sessions that just ended
+# or paused (a resumed one finds its cache), so a turnover does not evict a running session. A session whose stream
+# is gone resyncs, bitwise as it was (docs/engines.md); each stream costs 45 MiB (SmolLM2, 2048 tokens).
+LLAMACPP_SPARE_STREAMS = 8
+
+
+def last_flag_value(args: list[str], flag: str, default):
+    """The value `flag` has in `args` as argparse reads them (its last `flag V` or `flag=V`), else `default`."""
+    value = default
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _number(flag: str, value) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"argument {flag} {value!r} is not a number") from None
 
 
 class LocalStack:
@@ -302,18 +328,8 @@ class LocalStack:
                 "--adaptive-draft-len" if self.cfg.adaptive_draft_len else "--no-adaptive-draft-len"]
 
     def _orchestrator_setting(self, flag: str, default: int) -> int:
-        """The value the orchestrator gets for `flag`: its last one in cfg.orchestrator_args (as argparse reads
-        them), else `default`."""
-        value, args = default, self.cfg.orchestrator_args
-        for i, arg in enumerate(args):
-            if arg == flag and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"orchestrator argument {flag} {value!r} is not a number") from None
+        """The number the orchestrator gets for `flag`: its last one in cfg.orchestrator_args, else `default`."""
+        return _number(flag, last_flag_value(self.cfg.orchestrator_args, flag, default))
 
     def _sessions(self) -> list[str]:
         """The orchestrator's admission, tree and load-switch settings (cfg.orchestrator_args, later on its command
@@ -324,11 +340,34 @@ class LocalStack:
             args += ["--speculation-max-sessions", str(LLAMACPP_SPECULATION_MAX_SESSIONS)]
         return args + (["--tree-budget", str(self.cfg.tree_budget)] if self.cfg.tree_budget else [])
 
+    def _admission(self) -> list[str]:
+        """How many generations run at once and how long the others may wait (orchestrator/admission.py)."""
+        return ["--max-running", str(self.cfg.max_running), "--queue-timeout-s", str(self.cfg.queue_timeout_s)]
+
+    def target_sessions(self) -> int:
+        """The sessions' caches each target keeps. torch: one for every session the orchestrator admits (its caches
+        grow as they fill). llama.cpp allocates a KV stream for each at start, so a batching target keeps the
+        sessions admission runs at once (--max-running, auto: every replica's batch, in case one replica takes
+        them all after a failure) and LLAMACPP_SPARE_STREAMS more; the queued ones hold none yet. Without
+        batching, auto admission runs as many as the target keeps: one for every admitted session."""
+        admitted = self._orchestrator_setting("--max-sessions", self.cfg.max_sessions)
+        if self.engine != "llamacpp":
+            return admitted
+        running = last_flag_value(self.cfg.orchestrator_args, "--max-running", self.cfg.max_running)
+        if running == "auto":
+            if not self.cfg.batch_window_ms > 0:
+                return admitted
+            from target_service.settings import TargetSettings
+
+            batch = _number("--max-batch", last_flag_value(self.cfg.target_args, "--max-batch", TargetSettings.max_batch))
+            running = batch * max(1, self.cfg.target_replicas)
+        return min(admitted, _number("--max-running", running) + LLAMACPP_SPARE_STREAMS)
+
     def target_cache_args(self) -> list[str]:
-        """A target keeps a cache for every session the orchestrator admits (a llama.cpp target sizes its KV
-        streams from it at start), and a llama.cpp target verifies token trees only on its unified KV cache: a
-        tree budget turns that on (a session's greedy tokens then depend on the other sessions' cache history)."""
-        args = ["--max-sessions", str(self._orchestrator_setting("--max-sessions", self.cfg.max_sessions))]
+        """A target keeps the caches of target_sessions() (a llama.cpp target sizes its KV streams from it at
+        start), and a llama.cpp target verifies token trees only on its unified KV cache: a tree budget turns that
+        on (a session's greedy tokens then depend on the other sessions' cache history)."""
+        args = ["--max-sessions", str(self.target_sessions())]
         if self.engine == "llamacpp" and self._orchestrator_setting("--tree-budget", self.cfg.tree_budget) > 0:
             args.append("--llama-kv-unified")
         return args
@@ -436,7 +475,8 @@ class LocalStack:
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,
-                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._sessions(), *self._metrics(0),
+                "--draft-len", str(self.cfg.draft_len), *self._speculation(), *self._sessions(), *self._admission(),
+                *self._metrics(0),
                 "--http-listen", "" if self.cfg.http_port is None else f"{self.cfg.host}:{self.cfg.http_port}",
                 *self.cfg.orchestrator_args]
         self.orchestrator = ServiceProcess("orchestrator", args, self.log_dir)

@@ -69,18 +69,21 @@ class LlamaModelInfo:
     kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
 
 
-SPLIT_SAFE_ROWS = 48  # a session's rows up to this many give the same logits however llama_decode splits them
+# A session's rows in one llama_decode up to this many give bitwise the logits and KV of feeding them one by one
+# (llama.cpp 0.3.36 CPU, flash attention auto: 63 do, 64 do not); more rows take other kernels
+SPLIT_SAFE_ROWS = 48
 
 
 def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
     """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
     numerics depend on how a long run of a sequence's tokens is split into ubatches (a 150-token prompt fed as 100
-    + 50 ends with logits up to 0.9 away from one call's), and with a stream per session llama.cpp splits a call
-    into ubatches of equally many tokens per sequence, so a prompt sharing a call with 1-token steps would be cut
-    after its first token. Blocks of up to SPLIT_SAFE_ROWS rows after a context are bitwise the same fed whole or
-    one by one, so those are packed up to `cap` rows; a longer group (a prompt) gets calls of its own, cut every
-    `cap` rows from its own start: exactly as when the session is alone."""
+    + 50 ends with logits up to 0.9 away from one call's; 166 fed at once, up to 2.8 away from one by one), but a
+    session's blocks of up to SPLIT_SAFE_ROWS rows are bitwise the same fed whole or one by one. So groups that
+    short are packed up to `cap` rows, and a longer group (a prompt, a resync's whole context) gets calls of its
+    own of SPLIT_SAFE_ROWS rows: a session's cache is then a function of its tokens alone, whichever calls
+    brought them (a context resent after an eviction or a move to another target is rebuilt bit for bit)."""
     bounds: list[tuple[int, int]] = []
+    piece = min(cap, SPLIT_SAFE_ROWS)
     lo = pos = 0
     for n in group_sizes:
         alone = n > SPLIT_SAFE_ROWS
@@ -88,7 +91,7 @@ def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
             bounds.append((lo, pos))
             lo = pos
         if alone:
-            bounds += [(pos + a, pos + min(n, a + cap)) for a in range(0, n, cap)]
+            bounds += [(pos + a, pos + min(n, a + piece)) for a in range(0, n, piece)]
             lo = pos + n
         pos += n
     if pos > lo:
