@@ -86,14 +86,20 @@ class TargetCost:
     load no draft pays (vLLM's disable-by-batch-size, derived instead of set); but one session decoding
     target-only does not make the others' blocks shorter: its single token still waits for a forward over
     their blocks (costing it as n single tokens paused sessions at 8 sessions and their tokens came one per
-    ~300 ms forward)."""
+    ~300 ms forward).
+
+    Verify and Decode calls keep separate observed / profiled ratios: they take different paths through a target
+    (a Decode's steps run back to back in one call; a Verify's rows go through the verifier), so each engine adds
+    a different cost per forward to each, and one shared ratio would cost target-only steps by Verify
+    measurements and the reverse."""
 
     def __init__(self, forward_ms: list[float], max_batch: int = 1, sessions=lambda: 1):
         self.forward_ms = [float(x) for x in forward_ms]
         self.max_batch = max(1, int(max_batch))
         self.sessions = sessions  # generations running now (this orchestrator's view of the batch)
         self._lock = threading.Lock()
-        self.load = Ema()
+        self.load = Ema()  # Verify calls: observed / profiled
+        self.decode_load = Ema()  # Decode calls' steps: observed / profiled
         self.overhead_ms = Ema()
         self.block = Ema()  # tokens per session in the target's calls
 
@@ -109,14 +115,15 @@ class TargetCost:
         slope = (f[-1] - f[mid - 1]) / max(1, len(f) - mid)
         return f[-1] + slope * (tokens - len(f))
 
-    def observe(self, tokens: int, server_ms: float, calls: int = 1) -> None:
+    def observe(self, tokens: int, server_ms: float, calls: int = 1, decode: bool = False) -> None:
         """A target call that ran forwards over `tokens` new tokens each (`calls` of them), taking server_ms on
-        the target."""
+        the target; `decode`: a target-only Decode call (its steps), else a Verify."""
         if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
         with self._lock:
             self.block.observe(tokens)
-            self.load.observe(server_ms / (calls * self.batched_forward(tokens, self.rows())))
+            ratio = server_ms / (calls * self.batched_forward(tokens, self.rows()))
+            (self.decode_load if decode else self.load).observe(ratio)
 
     def batched_forward(self, tokens: int, rows: int) -> float:
         """Profiled ms of a forward that carries a block of `tokens` and the other rows' usual blocks."""
@@ -129,10 +136,13 @@ class TargetCost:
             with self._lock:
                 self.overhead_ms.observe(max(0.0, step_ms - server_ms))
 
-    def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0) -> float:
-        """ms per call of a step over `tokens` tokens with `rows` sessions batched; calls_per_token < 1 spreads
-        the per-call overhead over the tokens of a multi-token Decode."""
-        return self.batched_forward(tokens, rows) * self.load.get(1.0) + self.overhead_ms.get(0.0) * calls_per_token
+    def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0, decode: bool = False) -> float:
+        """ms per call of a step over `tokens` tokens with `rows` sessions batched (`decode`: a target-only Decode
+        step, else a Verify); calls_per_token < 1 spreads the per-call overhead over the tokens of a multi-token
+        Decode. A kind not observed yet takes the other kind's ratio (load slows both)."""
+        own, other = (self.decode_load, self.load) if decode else (self.load, self.decode_load)
+        scale = own.get(other.get(1.0))
+        return self.batched_forward(tokens, rows) * scale + self.overhead_ms.get(0.0) * calls_per_token
 
     @property
     def max_tokens(self) -> int:
@@ -331,7 +341,7 @@ class GoodputDraftLength:
 
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         if k == 0:  # target-only: one Decode call per decode_chunk tokens
-            return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk)
+            return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk, decode=True)
         draft = self.draft_cost
         a = min(self.alpha if alpha is None else alpha, 0.999)
         verify = self.cost.step_ms(k + 1, rows)

@@ -96,10 +96,34 @@ def test_target_cost_scales_with_observed_load():
     assert cost.step_ms(1) == pytest.approx(123, rel=0.01)
 
 
+def test_goodput_costs_verify_and_decode_calls_by_their_own_measurements():
+    """A target whose Verify calls run at 2.1x their profiled forward while its Decode steps run at 1.1x: with
+    one ratio shared by both, speculating at a per-token acceptance of 0.8 would look better than target-only;
+    each kind costed by its own measurements, it does not. With Verify at 1.1x too, speculation pays."""
+    prof = [8.8, 15.2, 17.7, 22.0, 27.2, 29.6, 33.0, 36.0]  # llama.cpp forwards of 1..8 tokens on a 2-core EPYC
+
+    def policy(verify_ratio: float) -> GoodputDraftLength:
+        cost = TargetCost(prof)
+        for _ in range(40):
+            cost.observe(3, server_ms=verify_ratio * prof[2])
+            cost.observe(1, server_ms=4 * 1.1 * prof[0], calls=4, decode=True)
+            cost.observe_step(2.5 + 20.0, server_ms=20.0)
+        d = GoodputDraftLength(7, cost, AcceptancePrior(), decode_chunk=4)
+        for _ in range(40):
+            d.update(5, 4)  # per-token acceptance ~0.8
+        return d
+
+    assert policy(1.1).k >= 1  # a Verify costing what its profile says: speculation pays
+    slow = policy(2.1)
+    assert slow.cost.step_ms(1, decode=True) == pytest.approx(1.1 * 8.8 + 2.5, rel=0.01)
+    assert slow.cost.step_ms(3) == pytest.approx(2.1 * 17.7 + 2.5, rel=0.01)
+    assert slow.k == 0  # its own measurements say target-only is faster
+
+
 def test_goodput_stops_speculating_when_the_step_overhead_outweighs_it():
     """Target-only decoding pays the orchestrator's per-step time once per Decode call of several tokens, a
     speculative step once per ~1.5 tokens: with 8 sessions batched and ~50 ms of each step spent outside the
-    target (as measured in session 13), no draft length pays at an acceptance of 0.5; with one session's ~5 ms
+    target (as measured on the 2-core host), no draft length pays at an acceptance of 0.5; with one session's ~5 ms
     speculation still does."""
     prof = [61.0, 66.8, 70.3, 69.3, 72.0, 73.9, 85.0, 96.1, 100.0, 104.0, 108.0, 109.0, 115.0, 120.0, 126.0,
             132.0, 141.6]  # one-sequence forwards of 1..17 tokens on this CPU with the native kernel

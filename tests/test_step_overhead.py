@@ -74,7 +74,7 @@ def test_the_target_step_cost_leaves_out_waiting_for_the_draft(redis_url):
 def test_the_target_step_cost_leaves_out_a_new_sessions_prefill(redis_url):
     """A new session's first step prefills its prompt on the target and hands the KV to the int8 draft: tens of
     ms that are not what a decoding step costs (counted, they made the goodput policy draft 8-12 tokens where 5-7
-    paid, session 18)."""
+    paid)."""
 
     from tests.harness import INT8_SELF
 

@@ -101,7 +101,7 @@ class TargetCall:
         state.count_overhead(t0, d.decode_ms)
         cost = state.measured.target_cost
         if cost is not None and plain and d.tokens:
-            cost.observe(1, d.decode_ms, calls=len(d.tokens))
+            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True)
             if not degraded:
                 state.step_server_ms = d.decode_ms
         rec.target_pos = d.cached_len
