@@ -91,6 +91,22 @@ def test_greedy_tokens_is_torch_argmax_ties_included():
             assert int(greedy_tokens(x[0])) == int(torch.argmax(x[0]))
 
 
+def test_greedy_verify_of_numpy_rows_is_the_tensors_ties_included():
+    """An engine's numpy logits (llama.cpp's buffer) are verified greedily as they are: the same tokens as the
+    same rows as a tensor, the first maximum on ties."""
+    from specdec.core.sampling import greedy_tokens, verify
+
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams()
+    for _ in range(50):
+        x = torch.randint(0, 3, (4, 997), generator=g).to(torch.float32)  # many ties for the maximum
+        assert greedy_tokens(x.numpy()).tolist() == torch.argmax(x, dim=-1).tolist()
+        best = torch.argmax(x, dim=-1).tolist()
+        for draft in ([], best[:1], best[:2] + [(best[2] + 1) % 997], best[:3]):
+            rows = x[: len(draft) + 1]
+            assert verify(rows.numpy(), draft, None, params, None) == verify(rows, draft, None, params, None)
+
+
 def test_greedy_is_one_hot_at_first_max():
     logits = torch.tensor([[0.1, 3.0, 3.0, -1.0], [5.0, 1.0, 5.0, 0.0]])
     out = warp_probs(logits, SamplingParams())

@@ -421,12 +421,10 @@ class LlamaCppEngine:
                     gen = job.generator
                     if gen is None and not job.params.is_greedy:
                         gen = sampling.make_generator(job.seed, job.step, "verify")
-                    if job.params.is_greedy and not job.draft_tokens:  # a target-only step: the row's argmax
-                        job.params.validate()  # (the first maximum, as sampling.greedy_tokens), without torch
-                        result = sampling.VerifyResult(0, int(logits[0].argmax()))
-                    else:  # row i predicts draft token i; the last row predicts the bonus token
-                        result = sampling.verify(torch.from_numpy(logits), job.draft_tokens, job.draft_probs,
-                                                 job.params, gen)
+                    # Row i predicts draft token i; the last row predicts the bonus token. Greedy takes the
+                    # numpy rows as they are (no torch conversion per step).
+                    rows = logits if job.params.is_greedy else torch.from_numpy(logits)
+                    result = sampling.verify(rows, job.draft_tokens, job.draft_probs, job.params, gen)
                     self._crop(seq, context_len + result.num_accepted)  # the next token has no KV yet
                     job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
                                                (time.perf_counter() - t0) * 1e3, len(ready))
