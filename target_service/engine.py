@@ -258,7 +258,9 @@ class TargetEngine:
         """One prefill at a time, in arrival order: concurrent prefills share the cores and all finish late (32 at
         once on 2 loaded cores all passed the orchestrator's 30 s deadline, so every session failed); one after
         another, the first are served at once. A prefill whose caller stopped waiting is skipped."""
-        sess = self.store.get(session_id)
+        return self._prefill_session(self.store.get(session_id), prefix_len, delta)
+
+    def _prefill_session(self, sess: SessionKV, prefix_len: int, delta: list[int]) -> int:
         with self._prefill_gate, sess.lock:
             deadline = call_deadline()
             if deadline is not None and time.monotonic() >= deadline:
@@ -369,14 +371,16 @@ class TargetEngine:
     ) -> tuple[list[int], int, float]:
         t0 = time.perf_counter()
         gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
+        # One session object for the whole call: another session's call may evict this one from the store between
+        # the prefill and the steps (a full cache), and the steps must still find the prefilled tokens.
+        sess = self.store.get(session_id)
         if len(delta) > 1:
             # A prompt (or a resync): prefilled one at a time like a speculative session's (prefill()), not as a
             # long row in a batch every decoding session waits for.
-            prefix_len, delta = self.prefill(session_id, prefix_len, delta[:-1]), delta[-1:]
+            prefix_len, delta = self._prefill_session(sess, prefix_len, delta[:-1]), delta[-1:]
         if self.batcher is not None:
             return self._decode_batched(session_id, prefix_len, delta, max_tokens, params, seed, step,
                                         stop_token_ids, gen, t0)
-        sess = self.store.get(session_id)
         with sess.lock:
             new = self.lm.sync(sess, prefix_len, delta)
             out: list[int] = []

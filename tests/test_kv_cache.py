@@ -76,16 +76,46 @@ def test_evicted_sessions_are_rebuilt_transparently(redis_url):
         results = [None, None]
 
         def run(i):
-            results[i] = stack.client.generate(prompts[i], max_new_tokens=150, max_draft_len=3,
-                                               ignore_eos=True).token_ids
+            try:
+                results[i] = stack.client.generate(prompts[i], max_new_tokens=150, max_draft_len=3,
+                                                   ignore_eos=True).token_ids
+            except Exception as e:  # shown by the assert below rather than lost in a thread
+                results[i] = repr(e)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(180)
+        assert not any(t.is_alive() for t in threads), "a generation did not finish in 180 s"
         assert results == refs
         assert stack.target_engine.store.evictions > 0
         assert len(stack.target_engine.store) <= 1
     finally:
         stack.stop()
+
+
+def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile():
+    """A full target cache: another session's call evicts this one between a Decode's prefill and its steps. The
+    call still decodes from the tokens it prefilled (it holds its session) instead of failing with a cache-miss."""
+    from specdec.core.sampling import SamplingParams
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(model(TARGET), SessionCacheStore(max_sessions=1))
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [1, 5, 9, 12, 7, 3]
+    ref, _, _ = engine.decode("ref", 0, prompt, 8, greedy, 0, 0)
+
+    update_size = engine.store.update_size
+    calls = []
+
+    def update_then_intrude(sess):  # the prefill's last act, then another session arrives
+        update_size(sess)
+        calls.append(sess.session_id)
+        if len(calls) == 1:
+            engine.store.get("intruder")
+
+    engine.store.update_size = update_then_intrude
+    tokens, cached, _ = engine.decode("a", 0, prompt, 8, greedy, 0, 0)
+    assert "a" not in engine.store and engine.store.evictions >= 1
+    assert tokens == ref and cached == len(prompt) + len(ref) - 1
