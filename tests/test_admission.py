@@ -159,9 +159,9 @@ def test_a_target_only_prompt_prefills_through_the_one_at_a_time_gate(window_ms)
     """A Decode carrying a prompt prefills it as a speculative session's Prefill does (one at a time, in arrival
     order), not as a long row of a batch every decoding session waits for; the tokens are the same."""
     engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=window_ms)
-    prefills, real = [], engine.prefill
-    engine.prefill = lambda sid, prefix_len, delta: prefills.append((sid, prefix_len, list(delta))) or real(
-        sid, prefix_len, delta)
+    prefills, real = [], engine._prefill_session  # what prefill() runs: the gate, then the forward
+    engine._prefill_session = lambda sess, prefix_len, delta: prefills.append(
+        (sess.session_id, prefix_len, list(delta))) or real(sess, prefix_len, delta)
     prompt = PROMPTS[4]
     whole = engine.verify("ref", 0, prompt, [], None, SamplingParams(), 0, 0).next_token  # one forward
     tokens, cached, _ = engine.decode("s", 0, prompt, 3, SamplingParams(), 0, 0)
