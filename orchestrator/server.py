@@ -72,7 +72,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                  max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
                  admin_tokens: list[str] = (), max_stop_string_bytes: int = 256, max_stop_token_ids: int = 64,
                  max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0,
-                 max_running: int = 0, queue_timeout_s: float = ServerSettings.queue_timeout_s):
+                 max_running: int = 0, queue_timeout_s: float = ServerSettings.queue_timeout_s,
+                 adaptive_admission: bool = ServerSettings.admission == "adaptive"):
         # A single client (tests, embedders) is a pool of one; the pool's threads end with close().
         self.targets = target if isinstance(target, TargetPool) else TargetPool.of_client(target)
         self.pool = pool
@@ -102,7 +103,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.max_active_sessions = max_active_sessions
         # Generations beyond what the targets serve at once wait their turn (0 = auto: TargetPool.capacity).
         self.admission = Admission(lambda: min(max_active_sessions, max_running or self.targets.capacity(
-            self.target_info) or max_active_sessions), queue_timeout_s, max_active_sessions)
+            self.target_info) or max_active_sessions), queue_timeout_s, max_active_sessions, adaptive_admission)
+        self.measured.target_latency = self.admission.observe  # below that ceiling, what the target's latency allows
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
         # Admin tokens authenticate too; only they see internal addresses in GetOutline.
         self.principals = {principal_of(t): t for t in [*auth_tokens, *admin_tokens]}
@@ -448,7 +450,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    resolve_interval_s: float = _S.resolve_interval_s,
                    admin_tokens: list[str] = (),
                    max_sessions_per_principal: int = _S.max_sessions_per_principal, max_running: int = 0,
-                   queue_timeout_s: float = _S.queue_timeout_s) -> OrchestratorServicer:
+                   queue_timeout_s: float = _S.queue_timeout_s,
+                   adaptive_admission: bool = _S.admission == "adaptive") -> OrchestratorServicer:
     """Connect to the target replicas (``target_addr``: comma-separated, ``dns:///`` names too; at least one must
     answer, all must serve the same model) and the draft replicas (optional: unreachable ones join later).
     A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
@@ -499,7 +502,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                                     max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
                                     admin_tokens=admin_tokens,
                                     max_sessions_per_principal=max_sessions_per_principal,
-                                    max_running=max_running, queue_timeout_s=queue_timeout_s)
+                                    max_running=max_running, queue_timeout_s=queue_timeout_s,
+                                    adaptive_admission=adaptive_admission)
     except BaseException:
         targets.close()  # its health thread must not outlive a failed start
         raise
@@ -574,7 +578,7 @@ def serve(args: argparse.Namespace) -> None:
                               resolve_interval_s=args.resolve_interval_s,
                               admin_tokens=admin_tokens,
                               max_sessions_per_principal=args.max_sessions_per_principal, max_running=max_running,
-                              queue_timeout_s=args.queue_timeout_s)
+                              queue_timeout_s=args.queue_timeout_s, adaptive_admission=args.admission == "adaptive")
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     if http is not None:

@@ -92,6 +92,10 @@ class ServerSettings:
         "auto", "generations decoding at once; more wait in a FIFO queue (up to --max-sessions in all). auto: what "
         "the target pool serves well, per replica the sessions it caches and batches in one forward (GetInfo "
         "max_sessions, max_batch), summed over the replicas")
+    admission: str = setting(
+        "adaptive", "adaptive: run fewer generations than --max-running while the target's calls take over a "
+        "quarter of their 30 s deadline (a starved or slower target), more again as they speed up; static: always "
+        "--max-running", choices=("adaptive", "static"))
     queue_timeout_s: float = setting(
         120.0, "the longest a generation waits in the admission queue (or until its deadline); then "
         "RESOURCE_EXHAUSTED (HTTP 429)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 from draft_service.proposers.model import ModelProposer
@@ -153,3 +156,65 @@ def loop_state(rec=None, cfg: LoopConfig | None = None, vocab_size: int = 100, p
     rec = rec if rec is not None else SessionRecord("s", [1, 2, 3], {})
     return LoopState(rec, cfg or LoopConfig(), Backends(None, pool, None, set(), vocab_size), Measurements(**measured),
                      StreamControl())
+
+
+def count_sessions_at_target(engine, delay_s: float = 0.0, gate: threading.Event | None = None,
+                             serial: bool = False) -> list[int]:
+    """Wrap the target engine's session calls: the most sessions it worked on at once (the target's view), in a
+    one-item list. Each call waits for `gate` (if given) and `delay_s` more. serial: the calls run one at a time,
+    as a starved CPU's one llama.cpp compute thread runs them, so a call waits for every other running session's;
+    one still waiting when its caller gives up is not computed (as the real target does)."""
+    from specdec.core.grpc_util import call_deadline
+
+    inflight, peak, lock, one_at_a_time = Counter(), [0], threading.Lock(), threading.RLock()
+
+    def counting(fn):
+        def call(session_id, *args, **kwargs):
+            with lock:
+                inflight[session_id] += 1
+                peak[0] = max(peak[0], len(inflight))
+            try:
+                if gate is not None:
+                    gate.wait(30)
+                deadline = call_deadline()
+                wait = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                if serial and not one_at_a_time.acquire(timeout=wait):
+                    raise TimeoutError("the target did not get to the call before its deadline")
+                try:
+                    time.sleep(delay_s)
+                    return fn(session_id, *args, **kwargs)
+                finally:
+                    if serial:
+                        one_at_a_time.release()
+            finally:
+                with lock:
+                    inflight[session_id] -= 1
+                    if not inflight[session_id]:
+                        del inflight[session_id]
+        return call
+
+    for name in ("prefill", "verify", "decode"):
+        setattr(engine, name, counting(getattr(engine, name)))
+    return peak
+
+
+def run_sampling(run, n: int, sample, every_s: float = 0.01, timeout_s: float = 60.0) -> None:
+    """run(i) for i in range(n), each in its own thread, calling sample() every `every_s` meanwhile (what a
+    dashboard sees); every thread has ended when it returns."""
+    done = threading.Event()
+
+    def sampling():
+        while not done.is_set():
+            sample()
+            done.wait(every_s)
+
+    sampler = threading.Thread(target=sampling)
+    sampler.start()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    done.set()
+    sampler.join(5)
+    assert not any(t.is_alive() for t in threads), "a generation did not end in time"

@@ -4,7 +4,6 @@ The queue alone, then real services (tiny models, real Redis) through the gRPC a
 
 import threading
 import time
-from collections import Counter
 
 import grpc
 import httpx2 as httpx
@@ -18,7 +17,7 @@ from specdec.v1 import common_pb2
 from specdec.core.kv_cache import SessionCacheStore
 from specdec.core.sampling import SamplingParams
 from target_service.engine import TargetEngine
-from tests.harness import TARGET, model, start_stack
+from tests.harness import TARGET, count_sessions_at_target, model, run_sampling, start_stack
 
 PROMPTS = [[1, 5, 9, 12], [3, 3, 20, 21], [7, 2, 7, 2, 40], [11, 13, 17], [4, 8, 15, 16, 23], [30, 1, 30, 2]]
 
@@ -172,32 +171,6 @@ def test_a_target_only_prompt_prefills_through_the_one_at_a_time_gate(window_ms)
 
 # -- through the services -----------------------------------------------------------------------------------------
 
-def count_sessions_at_target(engine, delay_s=0.0, gate: threading.Event | None = None):
-    """Wrap the target engine's session calls: the most sessions it worked on at once (the target's view)."""
-    inflight, peak, lock = Counter(), [0], threading.Lock()
-
-    def counting(fn):
-        def call(session_id, *args, **kwargs):
-            with lock:
-                inflight[session_id] += 1
-                peak[0] = max(peak[0], len(inflight))
-            try:
-                if gate is not None:
-                    gate.wait(30)
-                time.sleep(delay_s)
-                return fn(session_id, *args, **kwargs)
-            finally:
-                with lock:
-                    inflight[session_id] -= 1
-                    if not inflight[session_id]:
-                        del inflight[session_id]
-        return call
-
-    for name in ("prefill", "verify", "decode"):
-        setattr(engine, name, counting(getattr(engine, name)))
-    return peak
-
-
 def test_six_generations_with_two_running_all_complete_as_target_only(redis_url):
     stack = start_stack(redis_url, draft="ngram", max_running=2)
     try:
@@ -211,24 +184,14 @@ def test_six_generations_with_two_running_all_complete_as_target_only(redis_url)
             results[i] = stack.client.generate(PROMPTS[i], max_new_tokens=24, ignore_eos=True,
                                                speculation=None if i % 2 else False)
 
-        gauges, done = {"queued": 0, "running": 0}, threading.Event()
+        gauges = {"queued": 0, "running": 0}
 
         def sample():  # the exported gauges, as a dashboard sees them
-            while not done.is_set():
-                snap = telemetry.snapshot()
-                for k in gauges:
-                    gauges[k] = max(gauges[k], telemetry.metric_value(snap, f"specdec.admission.{k}"))
-                done.wait(0.01)
+            snap = telemetry.snapshot()
+            for k in gauges:
+                gauges[k] = max(gauges[k], telemetry.metric_value(snap, f"specdec.admission.{k}"))
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        done.set()
-        sampler.join(5)
+        run_sampling(run, len(PROMPTS), sample)
         after = telemetry.snapshot()
         assert gauges["running"] <= 2 and gauges["queued"] >= 1, gauges
         assert [r.token_ids for r in results] == refs

@@ -93,6 +93,8 @@ class Measurements:
     acceptance_prior: AcceptancePrior | None = None  # all sessions' acceptance (goodput draft length)
     draft_evidence: DraftEvidence | None = None  # what the drafter's token scores mean (goodput draft length)
     draft_cost: DraftCost = field(default_factory=DraftCost)
+    # Told each target call's wall time and deadline, in seconds (admission lowers its limit on slow calls).
+    target_latency: Callable[[float, float], None] | None = None
 
     def sessions(self) -> int:
         """Generations running in this orchestrator now: they share the draft (DraftCost keeps costs per session)."""

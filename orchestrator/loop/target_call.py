@@ -42,9 +42,12 @@ class TargetCall:
                 left = cfg.target_grace_s - (time.monotonic() - waiting_since if waiting_since else 0.0)
                 timeout = min(cfg.target_timeout_s, max(0.05, left)) if alone else cfg.target_timeout_s
                 self.client, self.wait_for_ready = (replica.client if replica else None), alone
+                started = time.monotonic()
                 try:
                     reply = fn(timeout)
                 except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self._timed(started)
                     if e.code() not in RETRYABLE:
                         if replica is not None:
                             replica.breaker.no_call()  # the replica answered: a probe it let through is not lost
@@ -57,6 +60,7 @@ class TargetCall:
                         if seat.pool.any_available():
                             continue  # another replica: at once
                 else:
+                    self._timed(started)
                     if replica is not None:
                         replica.breaker.success()
                     if reply.resynced:
@@ -69,6 +73,13 @@ class TargetCall:
                                       f"target unavailable for {cfg.target_grace_s:.0f} s during {what}{detail}; "
                                       "the session can be resumed") from last
             time.sleep(0.1)
+
+    def _timed(self, started: float) -> None:
+        # Against the configured deadline, not this call's: one shortened by a grace period running out is no
+        # sign of a slow target.
+        observe = self.state.measured.target_latency
+        if observe is not None:
+            observe(time.monotonic() - started, self.state.cfg.target_timeout_s)
 
     def verify(self, reply):
         """Verify a draft reply (a chain, or a tree when reply.tree_parents is set); the target's VerifyReply. Moves
