@@ -199,17 +199,19 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
 
 
 def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                           stop_token_ids=frozenset(), gen=None, t0=None) -> tuple[list[int], int, float]:
+                           stop_token_ids=frozenset(), gen=None, t0=None, session=None) -> tuple[list[int], int, float]:
     """Target-only decoding as single-token steps, each a VerifyJob of an empty draft given to `submit` (the next
     token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other sessions'
-    Verify blocks. Same tokens, and the same random stream, as sampling each step's last row directly."""
+    Verify blocks. Same tokens, and the same random stream, as sampling each step's last row directly.
+    `session`: the session object every step uses (VerifyJob.session)."""
     t0 = time.perf_counter() if t0 is None else t0
     if gen is None and not params.is_greedy:
         gen = sampling.make_generator(seed, step, "decode")
     out: list[int] = []
     cached = prefix_len
     for _ in range(max_tokens):
-        res = submit(VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen))
+        res = submit(VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen,
+                               session=session))
         out.append(res.next_token)
         cached, delta = res.cached_len, [res.next_token]
         if res.next_token in stop_token_ids:
@@ -322,7 +324,7 @@ class TargetEngine:
         t0 = time.perf_counter()
         ready, locked = [], []
         for job in jobs:
-            sess = self.store.get(job.session_id)
+            sess = job.session if job.session is not None else self.store.get(job.session_id)
             sess.lock.acquire()
             locked.append((sess, job))
             try:
@@ -371,15 +373,16 @@ class TargetEngine:
     ) -> tuple[list[int], int, float]:
         t0 = time.perf_counter()
         gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
-        # One session object for the whole call: another session's call may evict this one from the store between
-        # the prefill and the steps (a full cache), and the steps must still find the prefilled tokens.
+        # One session object for the whole call, batched steps included: another session's call may evict this one
+        # from the store between the prefill and the steps (a full cache), and the steps must still find the
+        # prefilled tokens.
         sess = self.store.get(session_id)
         if len(delta) > 1:
             # A prompt (or a resync): prefilled one at a time like a speculative session's (prefill()), not as a
             # long row in a batch every decoding session waits for.
             prefix_len, delta = self._prefill_session(sess, prefix_len, delta[:-1]), delta[-1:]
         if self.batcher is not None:
-            return self._decode_batched(session_id, prefix_len, delta, max_tokens, params, seed, step,
+            return self._decode_batched(sess, prefix_len, delta, max_tokens, params, seed, step,
                                         stop_token_ids, gen, t0)
         with sess.lock:
             new = self.lm.sync(sess, prefix_len, delta)
@@ -397,9 +400,9 @@ class TargetEngine:
             self.store.update_size(sess)
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
 
-    def _decode_batched(self, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
-        return decode_as_verify_steps(self.batcher.submit, session_id, prefix_len, delta, max_tokens, params, seed,
-                                      step, stop_token_ids, gen, t0)
+    def _decode_batched(self, sess, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
+        return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
+                                      seed, step, stop_token_ids, gen, t0, session=sess)
 
     def cache_bytes(self) -> int:
         return self.store.total_bytes()

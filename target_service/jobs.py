@@ -33,6 +33,9 @@ class VerifyJob:
     tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
     generator: torch.Generator | None = None  # set by a batched Decode: one stream for all its tokens
     deadline: float | None = None  # time.monotonic() its caller stops waiting: the batcher skips it after that
+    # set by a batched Decode: the session object it prefilled, used instead of a store lookup so that another
+    # session evicting it between the steps cannot lose its tokens (an engine's own type; None: look it up)
+    session: object | None = None
     result: VerifyOutcome | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)

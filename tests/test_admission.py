@@ -2,6 +2,7 @@
 all decoding at once; a wait past the queue timeout is RESOURCE_EXHAUSTED (HTTP 429); a cancelled waiter leaves.
 The queue alone, then real services (tiny models, real Redis) through the gRPC and HTTP APIs."""
 
+import re
 import threading
 import time
 
@@ -223,7 +224,10 @@ def test_queue_timeout_cancel_and_http_429(redis_url):
         with pytest.raises(grpc.RpcError) as refused:
             stack.client.generate(PROMPTS[1], max_new_tokens=8)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "server busy: 1 generations running, 0 queued; waited 0.5 s" in refused.value.details()
+        # It waited the whole timeout (a loaded machine wakes the waiter a little later, so no upper bound).
+        busy = re.search(r"server busy: 1 generations running, 0 queued; waited (\d+\.\d) s "
+                         r"\(the queue timeout is 0\.5 s\)", refused.value.details())
+        assert busy and float(busy.group(1)) >= 0.5, refused.value.details()
         # The HTTP API goes through the same queue: 429, as OpenAI answers an overloaded server.
         reply = httpx.post(http.url + "/v1/completions", json={"model": TARGET, "prompt": PROMPTS[1], "max_tokens": 4},
                            timeout=30)

@@ -277,6 +277,12 @@ def test_the_batch_closes_once_every_active_session_is_in():
     from target_service.engine import TargetEngine
 
     engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
+    # Both sessions count as active from the start, as sessions already decoding do: the batcher learns of a
+    # session at its first step, and on a loaded machine "b"'s prefill outlasted all 3 of "a"'s steps (run alone),
+    # so "b"'s first step waited out the window for "a" and no forward carried both. No session goes stale here.
+    engine.batcher.ACTIVE_S = 60.0
+    for sid in ("a", "b"):
+        engine.batcher._active(sid, time.monotonic())
     results = {}
 
     def run(sid, ctx):

@@ -2,6 +2,7 @@
 
 import threading
 
+import pytest
 import torch
 
 from specdec.core.kv_cache import CacheMiss, CachedLM, SessionCacheStore
@@ -95,13 +96,15 @@ def test_evicted_sessions_are_rebuilt_transparently(redis_url):
         stack.stop()
 
 
-def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile():
+@pytest.mark.parametrize("window_ms", [0.0, 5.0])
+def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile(window_ms):
     """A full target cache: another session's call evicts this one between a Decode's prefill and its steps. The
-    call still decodes from the tokens it prefilled (it holds its session) instead of failing with a cache-miss."""
+    call still decodes from the tokens it prefilled (it holds its session, batched steps too) instead of failing
+    with a cache-miss."""
     from specdec.core.sampling import SamplingParams
     from target_service.engine import TargetEngine
 
-    engine = TargetEngine(model(TARGET), SessionCacheStore(max_sessions=1))
+    engine = TargetEngine(model(TARGET), SessionCacheStore(max_sessions=1), batch_window_ms=window_ms)
     greedy = SamplingParams(temperature=0.0)
     prompt = [1, 5, 9, 12, 7, 3]
     ref, _, _ = engine.decode("ref", 0, prompt, 8, greedy, 0, 0)
