@@ -541,3 +541,33 @@ def test_a_decode_call_is_one_hand_off_to_the_compute_thread_and_greedy_as_the_a
         engine.release("argmax")
     assert tokens == ref and cached == len(ids) + n - 1
     assert len(submits) == 1 and len(rows) == n
+
+
+def test_a_batched_decode_keeps_its_sequence_while_another_session_wants_one():
+    """Every stream in use (one session here) and another session arriving between a batched Decode's steps: the
+    Decode keeps its sequence (the newcomer is refused, as when every stream is in its batch) instead of losing it
+    and ending in a cache-miss."""
+    e = make_engine(max_sessions=1, batch_window_ms=5.0)
+    try:
+        ids = prompt_ids(e, PROMPTS[0])
+        ref = e.decode("ref", 0, ids, 6, GREEDY, 0, 0)[0]
+        assert e.release("ref")
+        submit, intruded = e._submit, []
+
+        def step_then_intrude(job):
+            out = submit(job)
+            if not intruded:
+                try:
+                    e.prefill("intruder", 0, ids[:5])
+                    intruded.append("admitted")
+                except MemoryError as err:
+                    intruded.append(str(err))
+            return out
+
+        e._submit = step_then_intrude
+        tokens, cached, _ = e.decode("a", 0, ids, 6, GREEDY, 0, 0)
+        assert tokens == ref and cached == len(ids) + 5
+        assert len(intruded) == 1 and "inside a Decode call" in intruded[0]
+        assert "a" in e and not e._decoding
+    finally:
+        e.close()

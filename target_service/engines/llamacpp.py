@@ -17,7 +17,7 @@ import logging
 import pathlib
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -203,6 +203,9 @@ class LlamaCppEngine:
         self._compute_ident = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="llama-compute", initializer=self._mark_compute)
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()  # LRU order
+        # Sessions inside a Decode call: not evicted between its steps (another session's step in between would
+        # otherwise take the sequence it just prefilled, and the call would end in a cache-miss).
+        self._decoding: Counter[str] = Counter()
         self._free_ids = list(range(self.max_sessions + 1))
         self.evictions = 0
         self.max_draft_len = max_draft_len
@@ -245,14 +248,15 @@ class LlamaCppEngine:
             self._sequences.move_to_end(session_id)
             return seq
         if len(self._sequences) >= self.max_sessions and not self._evict(keep=keep):
-            raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are in this batch")
+            raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are in this batch or "
+                              "inside a Decode call")
         seq = _Sequence(session_id, self._free_ids.pop())
         self._sequences[session_id] = seq
         return seq
 
     def _evict(self, keep) -> bool:
         """Drop the least recently used session not in `keep`; False when there is none."""
-        victim = next((sid for sid in self._sequences if sid not in keep), None)
+        victim = next((sid for sid in self._sequences if sid not in keep and sid not in self._decoding), None)
         if victim is None:
             return False
         self._drop(victim)
@@ -491,9 +495,17 @@ class LlamaCppEngine:
     def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
                stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
         args = (self._submit, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
-        if self.batcher is not None:  # each step may join other sessions' batch: the batcher hands it over
-            return decode_as_verify_steps(*args)
-        return self._on_compute(decode_as_verify_steps, *args)  # every step on the compute thread, one hand-off
+        with self._lock:
+            self._decoding[session_id] += 1
+        try:
+            if self.batcher is not None:  # each step may join other sessions' batch: the batcher hands it over
+                return decode_as_verify_steps(*args)
+            return self._on_compute(decode_as_verify_steps, *args)  # every step on the compute thread, one hand-off
+        finally:
+            with self._lock:
+                self._decoding[session_id] -= 1
+                if not self._decoding[session_id]:
+                    del self._decoding[session_id]
 
     def release(self, session_id: str) -> bool:
         if self.batcher is not None:
