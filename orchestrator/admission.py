@@ -105,16 +105,14 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
-    def current_limit(self) -> int:
-        return self._limit()
-
     def _ceiling(self) -> int:
         try:
             return max(1, int(self.limit()))
         except Exception:  # noqa: BLE001 - a broken capacity source must not stop admission
             return 1
 
-    def _limit(self) -> int:
+    def current_limit(self) -> int:
+        """Generations that may run at once now: the ceiling, or below it what the target's latency allows."""
         ceiling = self._ceiling()
         return ceiling if self.adaptive is None else self.adaptive.limit(ceiling)
 
@@ -148,7 +146,7 @@ class Admission:
         with self._cond:
             if ticket.cancelled:
                 raise QueueCancelled(f"generation {ticket.key} was cancelled before it started")
-            if not self._queue and self._running < self._limit():
+            if not self._queue and self._running < self.current_limit():
                 return self._start(ticket, None)
             if len(self._queue) >= self.max_queued:
                 raise QueueTimeout(self._busy(0.0))
@@ -160,7 +158,7 @@ class Admission:
                 if ticket.cancelled:
                     self._waited(t0)
                     raise QueueCancelled(f"generation {ticket.key} was cancelled while it waited to start")
-                if self._queue and self._queue[0] is ticket and self._running < self._limit():
+                if self._queue and self._queue[0] is ticket and self._running < self.current_limit():
                     self._queue.popleft()
                     self._cond.notify_all()  # the next one may fit too (a raised limit)
                     return self._start(ticket, t0)
