@@ -47,23 +47,15 @@ def _is_cache_miss(e: grpc.RpcError) -> bool:
     return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "cache-miss" in (e.details() or "")
 
 
-# Full-context resends after a cache-miss: a replica whose cache is full may evict the session again between the
-# resend's prefill and its later steps (another session's call in between), so one more resend is allowed.
-RESYNC_ATTEMPTS = 2
-
-
 def _call_with_resync(fn, committed: list[int], pos: int):
+    """fn(delta from pos); on a cache-miss, fn(the whole context) once. A replica holds a session through one call
+    (target engines keep it through a Decode's prefill and steps), so a resend does not miss again."""
     try:
         return fn(_delta(committed, pos)), False
     except grpc.RpcError as e:
         if not _is_cache_miss(e):
             raise
-    for attempt in range(RESYNC_ATTEMPTS):
-        try:
-            return fn(_delta(committed, 0)), True
-        except grpc.RpcError as e:
-            if not _is_cache_miss(e) or attempt == RESYNC_ATTEMPTS - 1:
-                raise
+        return fn(_delta(committed, 0)), True
 
 
 @dataclass

@@ -340,7 +340,7 @@ def _failure_mode(servicer, view: dict) -> dict:
                           f"left, a step waits up to {cfg.target_grace_s:g} s for one to come back, then ends the stream with UNAVAILABLE; committed tokens "
                           "are in the session store, so the client resumes with resume_session_id"),
         "cacheLoss": ("a service that lost a session's KV cache (eviction, restart, another replica) answers "
-                      "cache-miss; the orchestrator resends the whole context (at most twice) and continues"),
+                      "cache-miss; the orchestrator resends the whole context once and continues"),
         "sessionStore": (f"each committed block is written to the session store (one atomic script, fenced by the session's lease) before the client "
                          f"sees it; a step waits up to {cfg.store_grace_s:g} s for an unreachable store, "
                          "then fails with UNAVAILABLE, resumable later"),

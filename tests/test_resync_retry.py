@@ -1,10 +1,10 @@
-"""The orchestrator's answer to a replica's cache-miss: resend the whole committed context, and once more if the
-replica evicted the session again meanwhile (a full cache); any other error, or a third miss, goes to the caller."""
+"""The orchestrator's answer to a replica's cache-miss: resend the whole committed context once (the replica holds
+the session through that call); any other error, or a miss of the resend, goes to the caller."""
 
 import grpc
 import pytest
 
-from orchestrator.clients import RESYNC_ATTEMPTS, _call_with_resync
+from orchestrator.clients import _call_with_resync
 
 
 class Refused(grpc.RpcError):
@@ -44,18 +44,11 @@ def test_a_miss_resends_the_whole_context():
     assert calls == [(5, [6]), (0, COMMITTED)]
 
 
-def test_a_second_miss_during_the_resend_is_resent_again():
-    fn, calls = scripted(MISS, MISS, "reply")
-    assert RESYNC_ATTEMPTS == 2
-    assert _call_with_resync(fn, COMMITTED, 5) == ("reply", True)
-    assert calls == [(5, [6]), (0, COMMITTED), (0, COMMITTED)]
-
-
-def test_misses_past_the_bound_and_other_errors_reach_the_caller():
-    fn, calls = scripted(MISS, MISS, MISS, "never")
+def test_a_missed_resend_and_other_errors_reach_the_caller():
+    fn, calls = scripted(MISS, MISS, "never")
     with pytest.raises(grpc.RpcError) as e:
         _call_with_resync(fn, COMMITTED, 5)
-    assert e.value is MISS and len(calls) == 3
+    assert e.value is MISS and calls == [(5, [6]), (0, COMMITTED)]
     other = Refused(grpc.StatusCode.FAILED_PRECONDITION, "sampling parameters differ")
     fn, calls = scripted(MISS, other)
     with pytest.raises(grpc.RpcError) as e:
