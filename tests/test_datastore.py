@@ -74,7 +74,7 @@ def test_greedy_speculation_with_a_datastore_equals_target_only(redis_url):
     dsrv = build_server(proposer, common_pb2.ModelInfo(model_name="ngram", strategy="ngram"), "127.0.0.1:0").start()
     s = start_stack(redis_url, draft=None)
     try:
-        from orchestrator.draft_pool import DraftPool
+        from orchestrator.replicas.draft_pool import DraftPool
 
         s.servicer.pool = DraftPool([dsrv.address])
         for prompt, ref in zip(prompts, refs):

@@ -1,5 +1,5 @@
 """A session whose llama.cpp cache is lost (evicted, or its target replica gone) is resynced: the orchestrator resends
-the committed context from position 0 (orchestrator/clients.py, _call_with_resync) and the target prefills it as
+the committed context from position 0 (orchestrator/replicas/clients.py, _call_with_resync) and the target prefills it as
 one group. llama.cpp's CPU numerics depend on how many of a sequence's rows one llama_decode computes, so the
 engine feeds a long group in pieces of SPLIT_SAFE_ROWS rows, whose results equal feeding the rows one by one
 (target_service/engines/llamacpp.py, _chunk_bounds). These tests decode greedily uninterrupted and again with the

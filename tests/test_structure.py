@@ -195,3 +195,20 @@ def test_shared_package_does_not_import_services():
     }
     upward = {k: v for k, v in upward.items() if v}
     assert not upward, f"specdec imports services/bench/chaos: {upward}"
+
+
+MAX_ORCHESTRATOR_TOP = 10  # modules directly in orchestrator/ (its __init__ included); the rest live in rooms
+
+
+def test_orchestrator_lives_in_rooms():
+    top = sorted(p.name for p in (ROOT / "orchestrator").glob("*.py"))
+    assert len(top) <= MAX_ORCHESTRATOR_TOP, f"{len(top)} modules at the top of orchestrator/ (give them a room): {top}"
+
+
+def test_every_room_has_a_map():
+    """Each package of the orchestrator and the target's engines names its modules in its __init__ docstring."""
+    for room in [*(ROOT / "orchestrator").glob("*/__init__.py"), ROOT / "target_service/engines/__init__.py"]:
+        doc = ast.get_docstring(ast.parse(room.read_text())) or ""
+        modules = sorted(p.name for p in room.parent.glob("*.py") if p.name != "__init__.py")
+        unnamed = [m for m in modules if m not in doc]
+        assert not unnamed, f"{room.relative_to(ROOT)}'s map does not name {unnamed}"

@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from orchestrator.clients import DraftClient
+from orchestrator.replicas.clients import DraftClient
 
 log = logging.getLogger("specdec.orchestrator")
 
