@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from bench import prompts as bench_prompts
-    from draft_service.server import build_ngram_proposer
+    from specdec import eval_prompts as bench_prompts
+    from draft_service.build import build_ngram_proposer
     from specdec.core.kv_cache import SessionCacheStore, SessionKV
     from specdec.models import load_model
     from target_service.engines.torch import TargetEngine

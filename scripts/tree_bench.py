@@ -94,7 +94,7 @@ def prompts_for(target, n: int) -> list[list[int]]:
     if target.name == TINY_TARGET:
         return [[1, 5, 9, 12, 5, 9], [7, 7, 7, 30, 31, 32, 7, 7], list(range(1, 40, 3)), [2, 3, 5, 8, 13, 21],
                 [60, 1, 60, 2, 60, 3], [11, 22, 33, 44]][:n]
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
 
     return [encode(p, target.tokenizer, chat=True) for p in select(n)]
 

@@ -93,7 +93,7 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
         loaded = load_model(spec.removeprefix("int8:"), device="cpu", dtype="float32", prepack="off")  # own copy
         store = SessionCacheStore(max_sessions=sessions)
         proposer, info = ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
-        if proposer.kv_dims is not None:  # as draft_service.server.build_proposer: it takes the target's KV
+        if proposer.kv_dims is not None:  # as draft_service.build.build_proposer: it takes the target's KV
             info.kv_fingerprint = loaded.kv_fingerprint
         info.drafts_trees = proposer.drafts_trees
         return proposer, info

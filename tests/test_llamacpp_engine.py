@@ -477,7 +477,7 @@ def test_a_prompt_batched_with_others_is_computed_as_it_is_alone():
     prompt cut in two ends with logits up to 0.9 away): a prompt sharing a batch with other sessions' prompts past
     the batch size must not be cut where it would not be alone."""
     import numpy as np
-    from bench.prompts import PROMPTS as BENCH_PROMPTS
+    from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
 
     small = make_engine(max_sessions=5)
     try:

@@ -95,7 +95,7 @@ def engines():
 @pytest.mark.parametrize("kind, new_tokens, evict_at, move_at", CASES)
 def test_a_resynced_session_decodes_bitwise_as_the_uninterrupted_one(engines, monkeypatch, kind, new_tokens,
                                                                      evict_at, move_at):
-    from bench.prompts import PROMPTS
+    from specdec.eval_prompts import PROMPTS
 
     prompt = prompt_ids(engines[0], next(p.text for p in PROMPTS if p.kind == kind))
     spy = Spy(monkeypatch, *engines)
