@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bench import analysis
 from bench.configs import Config, Sample
-from bench.prompts import CATEGORIES, Prompt
+from specdec.eval_prompts import CATEGORIES, Prompt
 
 
 def _tps(samples: list[Sample]) -> float | None:

@@ -387,7 +387,7 @@ def test_llamacpp_anchor_rows_decode_the_gguf_greedily():
 
 
 def test_prompt_set_covers_every_category_and_quick_keeps_one_of_each():
-    from bench.prompts import CATEGORIES, PROMPTS, select
+    from specdec.eval_prompts import CATEGORIES, PROMPTS, select
     from bench.runner import parse_args
 
     kinds = [p.kind for p in PROMPTS]
@@ -403,7 +403,7 @@ def test_prompt_set_covers_every_category_and_quick_keeps_one_of_each():
 
 
 def test_rag_prompts_carry_one_to_two_thousand_tokens_of_context():
-    from bench.prompts import PROMPTS, encode
+    from specdec.eval_prompts import PROMPTS, encode
     from specdec.models import load_tokenizer, smollm2_gguf_path
 
     tok = load_tokenizer(str(smollm2_gguf_path()))

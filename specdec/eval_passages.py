@@ -1,6 +1,6 @@
-"""Texts the benchmark's prompts are about, written for this project: short passages to summarise, edit or quote
-from, a function and an email to edit, records to turn into JSON, and the documents a RAG prompt answers from
-(together 1-2k tokens of context, as a retriever's top passages would be)."""
+"""Texts the evaluation prompts (specdec/eval_prompts.py) are about, written for this project: short passages to
+summarise, edit or quote from, a function and an email to edit, records to turn into JSON, and the documents a RAG
+prompt answers from (together 1-2k tokens of context, as a retriever's top passages would be)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 paragraph, function or email with a small change), extraction (verbatim quotes or a table of values from a
 passage), rag (answer from about 1.6k tokens of retrieved documents), multi_turn (a conversation whose last turn
 refers to the earlier ones) and structured (a JSON object of given fields). All written for this project
-(bench/passages.py holds their texts); nothing is downloaded.
+(specdec/eval_passages.py holds their texts); nothing is downloaded. The benchmark (bench/) measures on it; the
+offline tools (offline/datastore_build.py) keep it out of what they build from, so it lives here, below both.
 
 Every configuration gets exactly these prompts, turned into token ids once by :func:`encode` (the same
 chat template the orchestrator applies for ``apply_chat_template=True``; a multi-turn prompt's history as the
@@ -16,7 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from bench import passages as P
+from specdec import eval_passages as P
 
 
 @dataclass(frozen=True)
