@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+from specdec.core.strategies import LOCAL_DRAFTS, LOCAL_NGRAM, QUANTIZED
 
 
 @dataclass
@@ -102,9 +102,9 @@ def orchestrator_specs(args, flags: dict, strategy: str = "ngram", engine: str =
     """The orchestrators to start: name -> (target process, extra flags). With the n-gram drafter in the
     orchestrator (LOCAL_NGRAM: no draft process) every one drafts with --draft local:ngram; with a llama.cpp
     target the int8 draft prefills its prompt itself (llama.cpp's KV is not the wire's, nothing to hand over)."""
-    if strategy == LOCAL_NGRAM:
-        specs = _base_specs(args, flags, "ngram-in-orchestrator")
-        return {name: (target, [*extra, "--draft", "local:ngram"]) for name, (target, extra) in specs.items()}
+    if strategy in LOCAL_DRAFTS:
+        specs = _base_specs(args, flags, "in-orchestrator")
+        return {name: (target, [*extra, "--draft", LOCAL_DRAFTS[strategy]]) for name, (target, extra) in specs.items()}
     specs = _base_specs(args, flags, strategy)
     if engine == "llamacpp" and strategy == QUANTIZED:
         return {name: (target, [*extra, "--draft-prefill", "own"]) for name, (target, extra) in specs.items()}
@@ -124,7 +124,7 @@ def _base_specs(args, flags: dict, strategy: str) -> dict:
                 specs["orch-local"] = ("target", ["--draft", "local:ngram"])
     if args.heuristic and flags["orchestrator --draft-len-policy"]:
         specs["orch-heuristic"] = ("target", ["--draft-len-policy", "heuristic"])
-    if args.tree and strategy != "ngram-in-orchestrator":  # at the largest draft length's node budget (= its chain's)
+    if args.tree and strategy != "in-orchestrator":  # at the largest draft length's node budget (= its chain's)
         g = max(args.draft_lens)
         specs[f"orch-tree-n{g}"] = ("target", ["--tree-budget", str(g)])
     if flags["target --batch-window-ms"]:
@@ -168,10 +168,11 @@ def sessions_sweep_flags(args, flags: dict) -> list[str]:
 
 
 def _no_draft_reason(args, strategy: str | None = None) -> str:
-    if strategy == LOCAL_NGRAM:
-        return (f"--draft-strategy {args.draft_strategy} drafts with n-gram prompt lookup inside the orchestrator "
+    if strategy in LOCAL_DRAFTS:
+        how = "n-gram prompt lookup" if strategy == LOCAL_NGRAM else "suffix trees"
+        return (f"--draft-strategy {args.draft_strategy} drafts with {how} inside the orchestrator "
                 "(the llama.cpp engine's default)" if args.draft_strategy == "auto"
-                else "--draft-strategy local-ngram")
+                else f"--draft-strategy {strategy}")
     if args.draft_strategy == "ngram":
         return "--draft-strategy ngram"
     from specdec.models import cache_dir
@@ -201,9 +202,9 @@ def _draft_note(args, strategy: str) -> str | None:
     if strategy == "quantized":
         return (f"the target's own weights rounded to int8 ({args.target_model}, draft_service/int8_draft.py); the "
                 "in-process anchor runs the same int8 weights on transformers' forward")
-    if strategy == LOCAL_NGRAM:
+    if strategy in LOCAL_DRAFTS:
         return (f"{_no_draft_reason(args, strategy)}: no draft process, every specdec configuration drafts with "
-                "--draft local:ngram and the target computes on the draft's cores as well (`specdec run`); HF "
+                f"--draft {LOCAL_DRAFTS[strategy]} and the target computes on the draft's cores as well (`specdec run`); HF "
                 "prompt lookup and llama.cpp's prompt lookup are the in-process anchors")
     return (f"{_no_draft_reason(args)}, so the services draft with the n-gram prompt-lookup drafter"
             f"{_datastore_note(args)}, and HF prompt lookup is the in-process anchor")
@@ -219,8 +220,10 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
 
     def sd(name, kind, label, orch, speculation, g, pipelined=False, available=True, reason=""):
         ok = available and orch in addr
-        if speculation and "local:ngram" in specs.get(orch, ("", []))[1] and "local:ngram" not in label:
-            label += ", n-gram drafter in the orchestrator (--draft local:ngram)"
+        local = next((f for f in specs.get(orch, ("", []))[1] if f.startswith("local:")), None)
+        if speculation and local and local not in label:
+            drafter = "n-gram" if local == "local:ngram" else "suffix-tree"
+            label += f", {drafter} drafter in the orchestrator (--draft {local})"
         return Config(name, kind, label, _specdec_run(addr[orch], speculation, g or 0) if ok else None,
                       draft_len=g, pipelined=pipelined, available=ok,
                       reason="" if ok else (reason or f"orchestrator {orch} is not running"),
@@ -274,7 +277,7 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
         g = max(args.draft_lens)
         cfgs.append(Config(f"specdec-tree-n{g}", "specdec-tree", f"specdec tree, node budget {g} (vs chain g={g})",
                            None, draft_len=g, available=False,
-                           reason="the n-gram drafter in the orchestrator (--draft local:ngram) drafts chains only"))
+                           reason="the drafter in the orchestrator (--draft local:...) drafts chains only"))
     trees, no_trees = _draft_drafts_trees(services)
     for orch in (o for o in specs if o.startswith("orch-tree-n")):
         g = int(orch.removeprefix("orch-tree-n"))

@@ -125,7 +125,7 @@ def core_counts(threads: int, cpus: int, target_threads: int | None = None) -> l
 def headline_cores(head: dict | None, threads: int, cpus: int, target_threads: int | None = None) -> int:
     """The cores the headline configuration computes on in all: the target's threads, plus a draft process's
     (`threads`) unless it drafts inside the orchestrator (--draft local:ngram)."""
-    local = head is not None and "local:ngram" in (head.get("orchestrator_flags") or [])
+    local = head is not None and any(f.startswith("local:") for f in head.get("orchestrator_flags") or [])
     return min((target_threads or threads) + (0 if local else threads), cpus)
 
 

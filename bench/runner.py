@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "target on a CPU where llama-cpp-python is installed, drafting with n-gram prompt lookup in "
                         "the orchestrator and the target on the draft's cores; else torch). --engine torch: the "
                         "PyTorch engine with its own default draft")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "local-suffix",
+                                                "quantized"],
                    default="auto", help="auto: as `specdec run` picks it for the engine (docs/engines.md)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from specdec.ops.redis_server import RedisServer
 from launcher.stack import LocalStack, ServiceProcess, StackConfig, draft_model_args
-from specdec.core.strategies import LOCAL_NGRAM
+from specdec.core.strategies import LOCAL_DRAFTS
 
 log = logging.getLogger("bench")
 
@@ -122,7 +122,7 @@ class BenchServices:
 
     @property
     def has_draft_process(self) -> bool:
-        return self.strategy != LOCAL_NGRAM
+        return self.strategy not in LOCAL_DRAFTS
 
     def _affinity(self, name: str) -> list[str]:
         from specdec.ops.cpu_affinity import affinity_args

@@ -24,11 +24,13 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
 
     if strategy == "ngram":
         return build_ngram_proposer(load_tokenizer(vocab_from) if vocab_from else None, vocab_from, datastore)
+    if strategy == "suffix":
+        return build_suffix_proposer(load_tokenizer(vocab_from) if vocab_from else None)
     from draft_service.proposers.model import ModelProposer, limit_draft_vocab
     from specdec.core.strategies import MODEL_STRATEGIES
 
     if strategy not in MODEL_STRATEGIES:
-        raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, hybrid or quantized)")
+        raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, suffix, hybrid or quantized)")
     if strategy == "quantized":  # --model (the target) with its weights rounded to int8
         quantize = "int8"
     if quantize not in ("none", "int8"):
@@ -81,6 +83,25 @@ def build_ngram_proposer(tokenizer, target: str | None, datastore: str,
     info = common_pb2.ModelInfo(model_name=ngram_model_name(store), vocab_size=0 if tokenizer is None else vocab,
                                 tokenizer_fingerprint=fingerprint, strategy="ngram", drafts_trees=True)
     return NgramProposer(vocab_size=vocab, datastore=store), info
+
+
+def build_suffix_proposer(tokenizer, vocab_size: int | None = None) -> tuple[Proposer, common_pb2.ModelInfo]:
+    """The suffix-tree drafter (draft_service/proposers/suffix.py) and its ModelInfo; arguments as
+    build_ngram_proposer's. It advertises the longest draft a Verify may carry: its drafts follow the match."""
+    from draft_service.proposers.suffix import SuffixProposer
+    from specdec.core.settings import LONG_DRAFT_LEN
+    from specdec.core.strategies import suffix_tree_missing
+    from specdec.models import tokenizer_fingerprint
+
+    missing = suffix_tree_missing()
+    if missing:
+        raise ValueError(f"the suffix drafter needs arctic-inference's suffix tree (scripts/bootstrap.sh installs "
+                         f"it): {missing}")
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 2**31)
+    fingerprint = "" if tokenizer is None else tokenizer_fingerprint(tokenizer)
+    info = common_pb2.ModelInfo(model_name="suffix(arctic-inference)", vocab_size=0 if tokenizer is None else vocab,
+                                tokenizer_fingerprint=fingerprint, strategy="suffix", max_draft_len=LONG_DRAFT_LEN)
+    return SuffixProposer(vocab_size=vocab), info
 
 
 def ngram_model_name(store) -> str:

@@ -41,5 +41,6 @@ def serve(args: argparse.Namespace) -> None:
                                     args.draft_vocab, args.datastore, args.quantize, args.batch_rows)
     # A Propose holds its thread while it waits for its step batch: one per cached session (and its prefetch).
     server = build_server(proposer, info, args.listen, max_workers=args.max_sessions + 8,
-                          inject_latency_ms=args.inject_latency_ms, max_draft_len=args.max_draft_len).start()
+                          inject_latency_ms=args.inject_latency_ms,
+                          max_draft_len=args.max_draft_len or info.max_draft_len or MAX_DRAFT_LEN).start()
     run_until_signal(server, log)

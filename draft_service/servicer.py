@@ -48,6 +48,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         t0 = time.perf_counter()
         stoppable = getattr(self.proposer, "stoppable", False)
         extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
+        if getattr(self.proposer, "per_principal", False):
+            extra["principal"] = request.principal
         if request.HasField("kv"):
             extra["kv"] = self._imported_kv(request)
             s.set_attribute("kv_imported", request.kv.length)

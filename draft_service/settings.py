@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.core.settings import DEVICE_HELP, DTYPE_HELP, MAX_DRAFT_LEN, setting
+from specdec.core.settings import DEVICE_HELP, DTYPE_HELP, LONG_DRAFT_LEN, MAX_DRAFT_LEN, setting
 
 DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (a 16-row prefill chunk and others' steps)
 
@@ -13,8 +13,10 @@ DEFAULT_BATCH_ROWS = 32  # int8 draft: rows per batched forward (a 16-row prefil
 @dataclass
 class DraftSettings:
     strategy: str = setting(
-        "ngram", "model: a small LM; ngram: prompt lookup; hybrid: prompt lookup, the model where it finds no match; "
-        "quantized: --model (give the target's) with int8 weights", choices=("model", "ngram", "hybrid", "quantized"))
+        "ngram", "model: a small LM; ngram: prompt lookup; suffix: suffix trees over each session's context and its "
+        "principal's recent outputs (arctic-inference); hybrid: prompt lookup, the model where it finds no match; "
+        "quantized: --model (give the target's) with int8 weights",
+        choices=("model", "ngram", "suffix", "hybrid", "quantized"))
     model: str = setting("smollm2-draft", "draft model spec (strategy model or hybrid)")
     draft_vocab: int = setting(
         8192, "the model drafts only token ids below N (a smaller LM head: FR-Spec); 0 = the whole vocabulary. "
@@ -41,5 +43,7 @@ class DraftSettings:
     threads: int = setting(1, "torch intra-op threads")
     max_sessions: int = setting(64, "KV caches kept (LRU)")
     max_cache_mb: int = setting(2048, "KV cache bytes kept (LRU)")
-    max_draft_len: int = setting(MAX_DRAFT_LEN, "the most tokens one Propose may ask for (advertised in GetInfo)")
+    max_draft_len: int = setting(
+        0, f"the most tokens one Propose may ask for (advertised in GetInfo); 0 = the strategy's own: "
+        f"{LONG_DRAFT_LEN} for suffix, {MAX_DRAFT_LEN} otherwise")
     inject_latency_ms: float = setting(0.0, "fault injection: delay every Propose (SIGUSR1 toggles it on/off)")

@@ -13,11 +13,13 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
     from launcher.stack import LLAMACPP_SPARE_STREAMS, StackConfig
 
     p.add_argument("--target-model", default=StackConfig.target_model, help="target model spec (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
+    p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "local-suffix",
+                                                "quantized"],
                    default=StackConfig.draft_strategy,
-                   help="auto: the distilled draft if `specdec distill` cached one whose report predicts a speedup, else "
-                        "n-gram prompt lookup; local-ngram: n-gram drafting inside the orchestrator (no draft process, "
-                        "one round trip per step); quantized: the target's own weights in int8 as the draft model")
+                   help="auto: on llama.cpp local-suffix (local-ngram without arctic-inference), on torch the int8 "
+                        "self-draft or the distilled draft where it pays, else n-gram prompt lookup; local-suffix / "
+                        "local-ngram: suffix-tree / n-gram drafting inside the orchestrator (no draft process, one "
+                        "round trip per step); quantized: the target's own weights in int8 as the draft model")
     p.add_argument("--draft-model", default=StackConfig.draft_model)
     p.add_argument("--draft-replicas", type=int, default=StackConfig.draft_replicas)
     p.add_argument("--target-replicas", type=int, default=StackConfig.target_replicas,

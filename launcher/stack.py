@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from draft_service.settings import DraftSettings
 from orchestrator.settings import LoopConfig, ServerSettings
-from specdec.core.strategies import LOCAL_NGRAM, MODEL_STRATEGIES, QUANTIZED
+from specdec.core.strategies import LOCAL_DRAFTS, LOCAL_NGRAM, LOCAL_SUFFIX, MODEL_STRATEGIES, QUANTIZED
 from specdec.ops.redis_server import RedisServer, interrupts_deferred
 
 
@@ -187,6 +187,13 @@ def resolve_engine(cfg: StackConfig) -> tuple[str, str]:
         raise StartupError(str(e)) from None
 
 
+def suffix_drafter_installed() -> bool:
+    """Whether the suffix-tree drafter can run here (arctic-inference's suffix tree, scripts/bootstrap.sh)."""
+    from specdec.core.strategies import suffix_tree_missing
+
+    return suffix_tree_missing() is None
+
+
 def resolve_draft_strategy(cfg: StackConfig, engine: str = "torch") -> str:
     """auto, for the default target: on the llama.cpp engine, n-gram prompt lookup in the orchestrator with the
     goodput draft length (it drafts only where a block pays, else decodes target-only: measured best there,
@@ -196,7 +203,7 @@ def resolve_draft_strategy(cfg: StackConfig, engine: str = "torch") -> str:
     if cfg.draft_strategy != "auto":
         return cfg.draft_strategy
     if engine == "llamacpp":
-        return LOCAL_NGRAM
+        return LOCAL_SUFFIX if suffix_drafter_installed() else LOCAL_NGRAM
     if cfg.target_model in ("smollm2", "smollm2-135m-instruct") and cfg.draft_model == "smollm2-draft":
         if int8_draft_runs_here(cfg.device):
             return QUANTIZED
@@ -275,7 +282,7 @@ class LocalStack:
         """--threads per model service; a llama.cpp target without a draft process (the drafter runs in the
         orchestrator) computes on the cores the draft replicas would have had, as many as this process may use."""
         cfg = self.cfg
-        if self.engine != "llamacpp" or self.draft_strategy != LOCAL_NGRAM:
+        if self.engine != "llamacpp" or self.draft_strategy not in LOCAL_DRAFTS:
             return cfg.threads
         from specdec.ops.cpu_affinity import allowed_cpus
 
@@ -288,7 +295,7 @@ class LocalStack:
             return {}
         from specdec.ops.cpu_affinity import local_stack_plan
 
-        if self.draft_strategy == LOCAL_NGRAM:
+        if self.draft_strategy in LOCAL_DRAFTS:
             return local_stack_plan(self.target_threads, 0) or {}
         return local_stack_plan(self.cfg.threads, self.cfg.draft_replicas) or {}
 
@@ -313,7 +320,7 @@ class LocalStack:
         return self.orchestrator.address
 
     def _draft_count(self) -> int:
-        return 0 if self.draft_strategy == LOCAL_NGRAM else self.cfg.draft_replicas
+        return 0 if self.draft_strategy in LOCAL_DRAFTS else self.cfg.draft_replicas
 
     def _target_metrics(self, i: int) -> list[str]:
         return self._metrics(1 if i == 0 else 1 + self._draft_count() + i)
@@ -437,7 +444,7 @@ class LocalStack:
                 raise ValueError(f"target_replicas must be at least 1, got {cfg.target_replicas}")
             for _ in range(cfg.target_replicas):
                 self.add_target()
-            for i in range(0 if self.draft_strategy == LOCAL_NGRAM else cfg.draft_replicas):
+            for i in range(0 if self.draft_strategy in LOCAL_DRAFTS else cfg.draft_replicas):
                 dargs = ["draft", "--strategy", self.draft_strategy, "--listen", f"{cfg.host}:0", *self._common(),
                          *self._metrics(2 + i), *self._affinity(f"draft{i}")]
                 dargs += draft_model_args(self.draft_strategy, cfg.draft_model, cfg.target_model)
@@ -470,8 +477,8 @@ class LocalStack:
                            timeout: float = 120.0) -> str:
         target_addr = target_addr or ",".join(t.address for t in self.targets)
         draft_addrs = draft_addrs if draft_addrs is not None else [d.address for d in self.drafts]
-        if self.draft_strategy == LOCAL_NGRAM:
-            draft_addrs = ["local:ngram"]
+        if self.draft_strategy in LOCAL_DRAFTS:
+            draft_addrs = [LOCAL_DRAFTS[self.draft_strategy]]
         store = self.redis.url if self.redis else "memory"
         args = ["orchestrator", "--listen", f"{self.cfg.host}:{self.cfg.orchestrator_port}", "--target", target_addr,
                 "--draft", ",".join(a for a in draft_addrs if a), "--redis", store,

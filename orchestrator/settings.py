@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from specdec.core.settings import MAX_DRAFT_LEN, setting
+from specdec.core.settings import LONG_DRAFT_LEN, setting
 
 
 @dataclass
@@ -15,7 +15,7 @@ class LoopConfig:
     """The speculative loop's settings (orchestrator/loop/)."""
     default_draft_len: int = setting(4, "default draft length (the starting one when adaptive)", flag="--draft-len")
     max_draft_len: int = setting(
-        MAX_DRAFT_LEN, "largest draft length a request may ask for (a step drafts at most the smallest of this, the "
+        LONG_DRAFT_LEN, "largest draft length a request may ask for (a step drafts at most the smallest of this, the "
         "target's and the draft's advertised limits, and the request's max_draft_len)")
     adaptive_draft_len: bool = setting(
         True, "adapt the draft length per session from its acceptance (--no-adaptive-draft-len keeps --draft-len "
@@ -73,8 +73,9 @@ class ServerSettings:
         "resolves to, re-resolved while running. Several replicas form a pool: each session is placed on one (affinity, "
         "least loaded), and moves at once to another when its replica fails; all must serve the same model")
     draft: str = setting(
-        "127.0.0.1:50051", "draft replica addresses, comma-separated ('' = no speculation); 'local:ngram' drafts with "
-        "the n-gram drafter inside this process (no Propose round trip); 'dns:///NAME:PORT' is every address NAME "
+        "127.0.0.1:50051", "draft replica addresses, comma-separated ('' = no speculation); 'local:suffix' drafts with "
+        "suffix trees over each session's context and its caller's recent outputs, 'local:ngram' with the n-gram "
+        "drafter, inside this process (no Propose round trip); 'dns:///NAME:PORT' is every address NAME "
         "resolves to, one replica each, re-resolved while running (--scale'd compose services, Kubernetes headless "
         "Services)")
     resolve_interval_s: float = setting(

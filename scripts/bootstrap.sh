@@ -24,3 +24,12 @@ if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   echo "installing llama-cpp-python: the one-time native build of llama.cpp takes about 7 minutes"
   { .venv/bin/python -m pip install llama-cpp-python==0.3.36 2>&1; } | { grep -v "^WARNING: Location" || true; }
 fi
+# The suffix-tree drafter (draft_service/proposers/suffix.py) uses arctic-inference's SuffixDecodingCache, vLLM's suffix
+# decoding. It ships as an sdist whose build wants torch (the pinned one: --no-build-isolation) and cmake, ninja and
+# nanobind; the only native part it compiles is the suffix tree (seconds). CMake is pointed at this venv's Python.
+if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  echo "installing arctic-inference (the suffix-tree drafter): a native build of about a minute"
+  .venv/bin/python -m pip install -q cmake ninja "nanobind==2.9.2" setuptools wheel 2>&1 | { grep -v "^WARNING: Location" || true; }
+  CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" .venv/bin/python -m pip install -q --no-build-isolation \
+    --no-deps arctic-inference==0.3.0 2>&1 | { grep -v "^WARNING: Location" || true; }
+fi

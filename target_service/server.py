@@ -18,6 +18,8 @@ from target_service.engines import select as engines
 from target_service.engines.base import TargetBackend
 from target_service.settings import TargetSettings
 
+PROFILE_MAX_TOKENS = 96  # the longest forward the start-up profile times (a few seconds in all)
+
 log = logging.getLogger("specdec.target")
 
 
@@ -178,7 +180,9 @@ def serve(args: argparse.Namespace) -> None:
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
         rows = min(engine.max_batch, 4)
-        engine.forward_ms = engine.profile_forward_ms(rows * (args.max_draft_len + 1))
+        # Capped: past it the orchestrator extends the curve linearly (TargetCost.forward).
+        engine.forward_ms = engine.profile_forward_ms(min(rows * (engine.max_draft_len + 1),
+                                                          max(PROFILE_MAX_TOKENS, engine.max_draft_len + 1)))
         log.info("forward cost profile", extra={"forward_ms": engine.forward_ms})
     # A Verify holds its thread while it waits for its batch: one per cached session, so a full orchestrator's
     # sessions are never refused for want of threads.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.models import DEFAULT_TARGET
-from specdec.core.settings import DEVICE_HELP, DTYPE_HELP, MAX_DRAFT_LEN, setting
+from specdec.core.settings import DEVICE_HELP, DTYPE_HELP, LONG_DRAFT_LEN, MAX_DRAFT_LEN, setting
 
 
 @dataclass
@@ -44,7 +44,9 @@ class TargetSettings:
         4096, "KV cache bytes kept (LRU), the llama.cpp engine's budget for its streams: 4096 holds 64 SmolLM2 "
         "sessions of 2048 tokens (2.9 GiB in f16) with most of a 24 GiB, 2-core host to spare; a larger model gets "
         "shorter session contexts, then fewer sessions, with a warning")
-    max_draft_len: int = setting(MAX_DRAFT_LEN, "the most draft tokens one Verify may carry (advertised in GetInfo)")
+    max_draft_len: int = setting(
+        0, f"the most draft tokens one Verify may carry (advertised in GetInfo); 0 = the engine's own: "
+        f"{LONG_DRAFT_LEN} on llama.cpp (long blocks of a suffix-tree draft), {MAX_DRAFT_LEN} on torch")
     batch_window_ms: float = setting(
         0.0, "collect concurrent Verify calls this long and run them as one batched forward (0 = off)")
     max_batch: int = setting(16, "sessions whose steps one batched forward runs at most")

@@ -345,3 +345,57 @@ def test_draft_cost_is_kept_per_session_count_where_measured():
     assert cost.per_token(4) == pytest.approx(4 * share)
     cost.timed_out(400.0, tokens=4, sessions=8)  # a timeout at 8 raises the estimate at 8, not at 1
     assert cost.per_token(8) == pytest.approx(100.0) and cost.per_token(1) == pytest.approx(14.0)
+
+
+# The llama.cpp engine's measured curve on this project's 2-core CPU (the shipped GGUF, logits at every position):
+# a block of n tokens costs this many single steps (1, 2, 3, 4, 5, 6, 8, 16, 32, 64 measured; linear between).
+LLAMACPP_STEPS = {1: 1.0, 2: 1.6, 3: 2.14, 4: 2.69, 5: 3.53, 6: 3.95, 8: 4.7, 16: 10.1, 32: 17.8, 64: 29.1}
+
+
+def llamacpp_curve(step_ms: float = 10.0) -> list[float]:
+    known = sorted(LLAMACPP_STEPS)
+    out = []
+    for n in range(1, 65):
+        lo = max(k for k in known if k <= n)
+        hi = min(k for k in known if k >= n)
+        f = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(step_ms * (LLAMACPP_STEPS[lo] + f * (LLAMACPP_STEPS[hi] - LLAMACPP_STEPS[lo])))
+    return out
+
+
+def test_a_free_drafter_drafts_every_step_asks_for_long_blocks_and_skips_blocks_that_do_not_pay():
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(200):
+        ev.update([2.0**18] * 32, verified=32, accepted=32)  # long matches: a quotation, always accepted
+        ev.update([2.0**2, 2.0**2], verified=2, accepted=0)   # a 2-token match: rejected
+    d = GoodputDraftLength(63, TargetCost(llamacpp_curve()), evidence=ev)
+    d.use_free_drafter(True)
+    assert d.k >= 1 and d.request_len(1) == 63  # drafting costs nothing: always, the longest block it may
+    for _ in range(30):  # a session whose blocks all fail would pause a costly drafter; a free one keeps drafting
+        d.update(proposed=4, accepted=0)
+    assert d.k >= 1
+    assert d.verify_len([2.0**18] * 63, limit=63) >= 31  # a sure quotation: one long block on the real curve
+    assert d.verify_len([2.0**2] * 5, limit=63) == 0  # a weak match: target-only decoding beats any prefix of it
+    assert d.verify_len([2.0**9] * 5, limit=63) >= 1  # an untested kind of match is tried before it is priced
+    costly = GoodputDraftLength(63, TargetCost(llamacpp_curve()), evidence=ev)  # not free: at least one token
+    assert costly.verify_len([2.0**2] * 5, limit=63) == 1
+    assert costly.request_len(1) == GoodputDraftLength.EVIDENCE_REQUEST
+
+
+def test_the_longest_block_that_pays_follows_the_curve_and_the_acceptance():
+    """Expected tokens per verify cost on the llama.cpp curve: ~0.97 per token pays best at 8 tokens (4.7 steps),
+    a near-certain copy at the longest block."""
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    def policy(accepted: int, of: int) -> GoodputDraftLength:
+        ev = DraftEvidence()
+        for _ in range(400):
+            ev.update([2.0**18] * of, verified=of, accepted=accepted)
+        d = GoodputDraftLength(63, TargetCost(llamacpp_curve()), evidence=ev)
+        d.use_free_drafter(True)
+        return d
+
+    assert 4 <= policy(30, 32).verify_len([2.0**18] * 63, limit=63) <= 16
+    assert policy(63, 63).verify_len([2.0**18] * 63, limit=63) == 63

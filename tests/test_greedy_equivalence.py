@@ -16,8 +16,10 @@ def hf_greedy(prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID, "local:ngram", INT8_SELF],
-                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid", "local-ngram", "int8-self"])
+@pytest.fixture(scope="module", params=["ngram", DRAFT_EARLY, DRAFT_SAME, DRAFT_OTHER, HYBRID, "local:ngram",
+                                       "local:suffix", INT8_SELF],
+                ids=["ngram", "early-layer", "same-model", "unrelated", "hybrid", "local-ngram", "local-suffix",
+                     "int8-self"])
 def stack(request, redis_url):
     s = start_stack(redis_url, draft=request.param)
     yield s
@@ -81,8 +83,9 @@ def test_eos_stops_generation_identically(redis_url):
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
-@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID, "local:ngram", INT8_SELF],
-                         ids=["ngram", "early-layer", "same-model", "hybrid", "local-ngram", "int8-self"])
+@pytest.mark.parametrize("draft", ["ngram", DRAFT_EARLY, DRAFT_SAME, HYBRID, "local:ngram", "local:suffix", INT8_SELF],
+                         ids=["ngram", "early-layer", "same-model", "hybrid", "local-ngram", "local-suffix",
+                              "int8-self"])
 def test_pipelined_speculation_equals_target_only(redis_url, draft, mode):
     from orchestrator.settings import LoopConfig
 
@@ -134,7 +137,8 @@ def test_min_confidence_and_adaptive_length_keep_output(redis_url):
         s.stop()
 
 
-@pytest.mark.parametrize("draft", [DRAFT_SAME, DRAFT_OTHER, "local:ngram"], ids=["same-model", "unrelated", "local-ngram"])
+@pytest.mark.parametrize("draft", [DRAFT_SAME, DRAFT_OTHER, "local:ngram", "local:suffix"],
+                         ids=["same-model", "unrelated", "local-ngram", "local-suffix"])
 def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, draft):
     """The goodput policy (the target's measured forward profile) changes only how much is drafted."""
     from orchestrator.settings import LoopConfig
@@ -240,3 +244,39 @@ def test_a_long_prompt_is_prefilled_by_target_and_draft_at_once(redis_url, draft
             assert (own.stats["kv_imports"], own.stats["parallel_prefills"]) == (0, 1)
     finally:
         s.stop()
+
+
+def test_suffix_drafts_long_blocks_where_the_reply_repeats_and_none_that_do_not_pay(redis_url):
+    """The suffix drafter with the goodput policy. A request repeated by the same caller (an agent's retry, a
+    regenerated answer): its reply is in the caller's global tree, so on a target whose forward costs ~nothing per
+    extra token the repeat is drafted in blocks as long as the target takes. On a target whose forward cost grows
+    with every token (no block pays) it stops verifying blocks once their scores have been tried, and decodes
+    target-only. The output is target-only's either way."""
+    from orchestrator.settings import LoopConfig
+
+    cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    cheap = start_stack(redis_url, draft="local:suffix", cfg=cfg, forward_ms=[10.0 + 0.01 * n for n in range(64)])
+    try:
+        for prompt in PROMPTS:
+            ref = cheap.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+            first = cheap.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            again = cheap.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert first.token_ids == ref.token_ids and again.token_ids == ref.token_ids
+            st = again.stats
+            assert st["draft_tokens_accepted"] >= MAX_NEW // 2, st  # the earlier reply is drafted
+            # in blocks that double with the match (1, 2, 4, 8, 16 tokens ...)
+            assert st["draft_tokens_proposed"] / st["verify_steps"] > 4, st
+    finally:
+        cheap.stop()
+    dear = start_stack(redis_url, draft="local:suffix", cfg=cfg, forward_ms=[10.0 * n for n in range(1, 65)])
+    try:
+        verified = []
+        for r in range(12):  # new prompts: the drafter's matches are chance ones; the evidence is learned across them
+            prompt = [(7 * r + 5 * i) % 62 + 1 for i in range(8)]
+            ref = dear.client.generate(prompt, max_new_tokens=MAX_NEW, speculation=False, ignore_eos=True)
+            got = dear.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert got.token_ids == ref.token_ids
+            verified.append(got.stats["verify_steps"])
+        assert sum(verified[-4:]) <= 1, verified  # blocks that do not pay are no longer verified
+    finally:
+        dear.stop()

@@ -230,3 +230,29 @@ def test_scored_ngram_drafts_trimmed_by_goodput_keep_the_target_distribution(red
     assert trimmed > 0 and verified > 0, "the drafts must be trimmed for this to test anything"
     _, p_value = chi_square_test(samples, exact_target_distribution(SamplingParams(**PARAMS), prompt))
     assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"
+
+
+def test_suffix_drafts_judged_by_goodput_keep_the_target_distribution(redis_url):
+    """The suffix drafter (one-hot q, drafting from the session's context and the caller's earlier outputs) with
+    the goodput policy pricing, trimming or skipping each block: what is verified depends on the draft and on
+    earlier outcomes, never on this block's coins, so the output must stay the target's distribution."""
+    from orchestrator.settings import LoopConfig
+
+    greedy = model(TARGET).model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0].tolist()
+    prompt = greedy + PROMPT
+    cfg = LoopConfig(adaptive_draft_len=True, draft_timeout_floor_ms=5000)
+    s = start_stack(redis_url, target=TARGET, draft="local:suffix", cfg=cfg,
+                    forward_ms=[60.0 + 10 * n for n in range(64)])
+    try:
+        samples, accepted, verified = [], 0, 0
+        for seed in range(N_POLICY_SAMPLES):
+            r = s.client.generate(prompt, max_new_tokens=N_TOKENS + 2, seed=seed, ignore_eos=True, **PARAMS)
+            samples.append(tuple(r.token_ids[:N_TOKENS]))
+            accepted += r.stats["draft_tokens_accepted"]
+            verified += r.stats["verify_steps"]
+    finally:
+        s.stop()
+    assert accepted > 0 and verified > 0, "blocks must be verified and accepted for this to test anything"
+    _, p_value = chi_square_test(samples, exact_target_distribution(SamplingParams(**PARAMS), prompt))
+    assert p_value > ALPHA, f"speculative samples differ from the target distribution (p={p_value:.2e})"

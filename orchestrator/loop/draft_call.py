@@ -92,7 +92,7 @@ class DraftCall:
                                               else {"k": k})):
                 return replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, state.sampling,
                                               state.seed, rec.step, timeout_s, state.cfg.draft_min_confidence,
-                                              **extra), None
+                                              principal=rec.params.owner, **extra), None
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             return None, (kind, e.details())

@@ -80,7 +80,8 @@ class Prefetcher:
         rec.stats.pipeline_prefetches += 1
         with telemetry.call_attributes(session_id=rec.session_id, k=n, replica=replica.address, prefetch=True):
             future = replica.client.propose_async(rec.session_id, held, delta, n, state.sampling, state.seed,
-                                                  rec.step + 1, self.draft.timeout_s(n) + 1.0)
+                                                  rec.step + 1, self.draft.timeout_s(n) + 1.0,
+                                                  principal=rec.params.owner)
         return future, n
 
     def finish(self, started, replica, reply, new: list[int]) -> None:

@@ -10,7 +10,7 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.policy.draft_length import dry_step_tokens, make_draft_length
+from orchestrator.policy.draft_length import FREE_DRAFTERS, dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
 from orchestrator.loop.draft_call import DraftCall, replica_limit
 from orchestrator.loop.handover import PromptHandover
@@ -34,6 +34,10 @@ class Step:
             cfg.adaptive_draft_len and not fixed and not cfg.tree_budget, cfg.draft_len_policy,
             measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
             measured.draft_cost)
+        pool = state.backends.pool
+        self.draft_len.use_free_drafter(pool is not None and any(
+            getattr(r, "info", None) is not None and r.info.strategy in FREE_DRAFTERS
+            for r in getattr(pool, "replicas", ())))
         self.tree = TreeStrategy(state, self) if cfg.tree_budget > 0 else None
         self.dry_steps = 0  # steps in a row whose drafter proposed nothing (no n-gram match)
 
@@ -81,6 +85,9 @@ class Step:
             if reply is None:
                 return None, failed
         self.draft.trim_to_verified_prefix(self.draft_len, reply, remaining - 1)
+        if not reply.tokens:  # no prefix of this block pays (a free drafter's weak match): target tokens instead
+            self.state.rec.draft_pos = min(len(self.state.rec.committed), reply.cached_len)
+            return None, False
         started = self.prefetch.start(replica, reply, ask)
         new = self.accept(reply, self.target.verify(reply))
         self.prefetch.finish(started, replica, reply, new)

@@ -13,6 +13,11 @@
   draft and verifies only the prefix that pays, from what each order of magnitude of score has meant in
   acceptance (the draft's confidence, as transformers' assistant confidence threshold and llama.cpp's p-min
   use a draft model's probability, but learned rather than a set threshold).
+- A free drafter (FREE_DRAFTERS: the suffix tree, which costs microseconds and sizes its own drafts by its match)
+  drafts every step and is asked for the longest block the target takes; each block is then priced on the
+  target's measured forward-cost curve (up to 64 tokens: 8 tokens cost ~4.7 single steps on llama.cpp here, 32
+  ~18) with each token's learned acceptance, and a block whose expected tokens per ms do not beat target-only
+  decoding is not verified at all: the step decodes target-only instead (never slower where drafts are weak).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import math
 import threading
 
 from specdec.core.sampling import expected_accepted_length
+
+FREE_DRAFTERS = ("suffix",)  # ModelInfo.strategy of drafters that cost ~nothing per token and size their drafts
 
 
 class DraftLength:
@@ -47,6 +54,9 @@ class DraftLength:
     def request_len(self, k: int) -> int:
         """How many tokens to ask the drafter for when this step drafts k."""
         return k
+
+    def use_free_drafter(self, free: bool) -> None:
+        """Heuristic and fixed lengths treat every drafter alike."""
 
     def verify_len(self, scores: list[float], limit: int) -> int:
         """How many of the drafted tokens to verify, given the drafter's scores for them."""
@@ -201,6 +211,11 @@ class DraftEvidence:
     def bucket(cls, score: float) -> int:
         return max(cls.LOWEST, min(cls.HIGHEST, math.floor(math.log(max(score, 1e-12), 8))))
 
+    def observations(self, score: float) -> float:
+        """The (discounted) verified tokens behind acceptance(score)."""
+        b = self.bucket(score)
+        return self._accepted.get(b, 0.0) + self._rejected.get(b, 0.0)
+
     def acceptance(self, score: float) -> float:
         b = self.bucket(score)
         yes, no = self._accepted.get(b, 0.0), self._rejected.get(b, 0.0)
@@ -318,6 +333,8 @@ class GoodputDraftLength:
     PROBE_EVERY = 4    # while paused (k = 0), try speculating again after this many target-only steps
 
     EVIDENCE_REQUEST = 10  # with a scoring drafter, ask for this many tokens (at least k) and verify what pays
+    EXPLORE_BELOW = 4.0  # a free drafter's block is verified while its first token's score bucket has fewer
+    # observations than this, whatever the estimate says: an untested bucket's 0.5 would never be tested otherwise
 
     def __init__(self, max_len: int, cost: TargetCost, prior: AcceptancePrior | None = None,
                  evidence: DraftEvidence | None = None, decode_chunk: int = 1, draft_cost: DraftCost | None = None):
@@ -332,6 +349,7 @@ class GoodputDraftLength:
         self.paused_steps = 0
         self.probing = False  # k was set by a paused session's probe, not by a verify
         self.pipelined = False  # set by the generation: whether it prefetches the next block
+        self.free = False  # set by the generation: the drafter is a FREE_DRAFTERS one (draft every step)
         self.k = self.best()
 
     @property
@@ -360,8 +378,8 @@ class GoodputDraftLength:
         rejections, since n-gram matches come in bursts and a pause would miss the next one."""
         rows = self.cost.rows()
         k = self._argmax(0, rows)
-        if k == 0 and self._argmax(0, rows, self.prior.alpha):
-            k = self._argmax(1, rows)
+        if k == 0 and (self.free or self._argmax(0, rows, self.prior.alpha)):
+            k = self._argmax(1, rows)  # a free drafter's blocks are judged one by one (verify_len)
         return k
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -395,7 +413,14 @@ class GoodputDraftLength:
         self.k, self.paused_steps, self.probing = 0, 0, False
         return True
 
+    def use_free_drafter(self, free: bool) -> None:
+        """The session drafts with a FREE_DRAFTERS drafter: draft every step, judge each block (verify_len)."""
+        self.free = free
+        self.k = self.best()
+
     def request_len(self, k: int) -> int:
+        if self.free:
+            return self.max_len  # its draft stops where its match does; verify_len prices the block
         if self.evidence is None or not self.scored:
             return k
         return max(k, min(self.max_len, self.EVIDENCE_REQUEST))
@@ -404,7 +429,9 @@ class GoodputDraftLength:
         """The d in 1..min(len(scores), limit) that maximises expected tokens per ms of the verify, with each
         token's acceptance from its score (the draft is already paid for). At least one token: whether to draft
         at all is k's decision, from the session's acceptance; trimming to nothing would also stop testing the
-        low-score buckets, whose estimates then could never recover (replayed: 1.32x instead of 1.48x)."""
+        low-score buckets, whose estimates then could never recover (replayed: 1.32x instead of 1.48x).
+        A free drafter's block may be verified not at all (0): when even its best prefix is expected to commit
+        fewer tokens per ms than target-only decoding and its first token's bucket has been tested enough."""
         self.scored = True
         if self.evidence is None:
             return min(len(scores), limit)
@@ -417,6 +444,9 @@ class GoodputDraftLength:
             rate = expected / self.cost.step_ms(d + 1, rows)
             if rate > best:
                 best_d, best = d, rate
+        if (self.free and best_d and best <= self.tokens_per_ms(0, rows)
+                and self.evidence.observations(scores[0]) >= self.EXPLORE_BELOW):
+            return 0
         return best_d
 
     def observe_evidence(self, scores: list[float], verified: int, accepted: int) -> None:

@@ -98,17 +98,18 @@ class DraftClient:
 
     def propose(self, session_id: str, committed: list[int], pos: int, max_len: int, params: SamplingParams,
                 seed: int, step: int, timeout: float, min_confidence: float = 0.0,
-                tree: dict | None = None, kv: common_pb2.KvBlock | None = None) -> DraftReply:
+                tree: dict | None = None, kv: common_pb2.KvBlock | None = None, principal: str = "") -> DraftReply:
         """``tree``: ask for a token tree (keys tree_budget, tree_branch, tree_branch_below, tree_max_depth).
         ``kv``: the target's KV of committed's first kv.length tokens (pos must be 0), installed instead of a
-        prefill."""
+        prefill. ``principal``: the caller the session belongs to (drafters that learn across sessions keep
+        principals apart)."""
         sampling = wire.sampling_to_proto(params, seed)
 
         def call(delta):
             return self.stub.Propose(
                 draft_pb2.ProposeRequest(session_id=session_id, delta=delta, max_draft_len=max_len,
                                          sampling=sampling, step=step, min_confidence=min_confidence,
-                                         kv=kv, **(tree or {})),
+                                         kv=kv, principal=principal, **(tree or {})),
                 timeout=timeout,
             )
 
@@ -120,11 +121,11 @@ class DraftClient:
                           scores=list(r.token_scores))
 
     def propose_async(self, session_id: str, prefix_len: int, delta: list[int], max_len: int,
-                      params: SamplingParams, seed: int, step: int, timeout: float):
+                      params: SamplingParams, seed: int, step: int, timeout: float, principal: str = ""):
         """Start a Propose without waiting (pipelining); call .result() on the returned future for the reply."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, delta=common_pb2.TokenDelta(prefix_len=prefix_len, tokens=delta),
-            max_draft_len=max_len, sampling=wire.sampling_to_proto(params, seed), step=step)
+            max_draft_len=max_len, sampling=wire.sampling_to_proto(params, seed), step=step, principal=principal)
         return self.stub.Propose.future(request, timeout=timeout)
 
     def release(self, session_id: str, timeout: float = 1.0) -> bool:

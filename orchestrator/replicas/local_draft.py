@@ -1,4 +1,4 @@
-"""An in-process draft replica (`--draft local:ngram`): the n-gram drafter inside the orchestrator.
+"""An in-process draft replica (`--draft local:suffix` or `local:ngram`): a model-free drafter inside the orchestrator.
 
 Model-free drafting needs no accelerator and reads only the committed tokens, which the orchestrator already
 holds, so its cheapest home is the orchestrator itself (vLLM runs its n-gram proposer in the engine for the same
@@ -19,7 +19,7 @@ from orchestrator.replicas.clients import DraftClient
 log = logging.getLogger("specdec.orchestrator")
 
 LOCAL_PREFIX = "local:"
-LOCAL_STRATEGIES = ("ngram",)
+LOCAL_STRATEGIES = ("ngram", "suffix")
 
 
 def is_local(address: str) -> bool:
@@ -89,14 +89,19 @@ class LocalDraftClient(DraftClient):
 def build_local_client(address: str, tokenizer, target_name: str, vocab_size: int,
                        datastore: str = "auto") -> LocalDraftClient:
     """`local:ngram`: the n-gram drafter for the target's tokenizer, with the target's datastore when one is cached
-    (`specdec datastore`; ``datastore``: auto, none or a path, as the draft service's --datastore)."""
-    from draft_service.build import build_ngram_proposer
+    (`specdec datastore`; ``datastore``: auto, none or a path, as the draft service's --datastore). `local:suffix`:
+    the suffix-tree drafter (draft_service/proposers/suffix.py), drafting up to the longest block it advertises."""
+    from draft_service.build import build_ngram_proposer, build_suffix_proposer
     from draft_service.servicer import DraftServicer
 
     strategy = address[len(LOCAL_PREFIX):]
     if strategy not in LOCAL_STRATEGIES:
         raise ValueError(f"unknown in-process drafter {address!r}: only "
                          f"{', '.join(LOCAL_PREFIX + s for s in LOCAL_STRATEGIES)} (model drafts run as draft services)")
+    if strategy == "suffix":
+        proposer, info = build_suffix_proposer(tokenizer, vocab_size)
+        log.info("in-process suffix-tree drafter", extra={"replica": address})
+        return LocalDraftClient(address, DraftServicer(proposer, info, max_draft_len=info.max_draft_len))
     proposer, info = build_ngram_proposer(tokenizer, target_name, datastore, vocab_size)
     log.info("in-process n-gram drafter", extra={"replica": address, "datastore": proposer.datastore is not None})
     return LocalDraftClient(address, DraftServicer(proposer, info))

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 MAX_DRAFT_LEN = 16  # the longest draft a service accepts unless told otherwise (each advertises its own: ModelInfo)
+# The longest draft of a drafter that costs nothing per token (the suffix tree) and of a llama.cpp target's Verify:
+# a 64-token block, which the goodput policy prices by the target's measured forward cost (orchestrator/draft_length.py).
+LONG_DRAFT_LEN = 63
 DEVICE_HELP = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"  # specdec.models.resolve_device
 DTYPE_HELP = "auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16 or float16"  # specdec.models.resolve_dtype
 

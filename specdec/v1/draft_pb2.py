@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb4\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\x13\n\x0btree_budget\x18\x07 \x01(\r\x12\x13\n\x0btree_branch\x18\x08 \x01(\r\x12\x19\n\x11tree_branch_below\x18\t \x01(\x02\x12\x16\n\x0etree_max_depth\x18\n \x01(\r\x12\x1f\n\x02kv\x18\x0b \x01(\x0b\x32\x13.specdec.v1.KvBlock\"\xb3\x01\n\x0fProposeResponse\x12\x12\n\x06tokens\x18\x01 \x03(\rB\x02\x10\x01\x12\'\n\x05probs\x18\x02 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x02\x12#\n\x04tree\x18\x05 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x18\n\x0ctoken_scores\x18\x06 \x03(\x02\x42\x02\x10\x01\x32\xd4\x01\n\x0c\x44raftService\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12<\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xc7\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\x13\n\x0btree_budget\x18\x07 \x01(\r\x12\x13\n\x0btree_branch\x18\x08 \x01(\r\x12\x19\n\x11tree_branch_below\x18\t \x01(\x02\x12\x16\n\x0etree_max_depth\x18\n \x01(\r\x12\x1f\n\x02kv\x18\x0b \x01(\x0b\x32\x13.specdec.v1.KvBlock\x12\x11\n\tprincipal\x18\x0c \x01(\t\"\xb3\x01\n\x0fProposeResponse\x12\x12\n\x06tokens\x18\x01 \x03(\rB\x02\x10\x01\x12\'\n\x05probs\x18\x02 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x02\x12#\n\x04tree\x18\x05 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x18\n\x0ctoken_scores\x18\x06 \x03(\x02\x42\x02\x10\x01\x32\xd4\x01\n\x0c\x44raftService\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12<\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSERESPONSE'].fields_by_name['token_scores']._loaded_options = None
   _globals['_PROPOSERESPONSE'].fields_by_name['token_scores']._serialized_options = b'\020\001'
   _globals['_PROPOSEREQUEST']._serialized_start=64
-  _globals['_PROPOSEREQUEST']._serialized_end=372
-  _globals['_PROPOSERESPONSE']._serialized_start=375
-  _globals['_PROPOSERESPONSE']._serialized_end=554
-  _globals['_DRAFTSERVICE']._serialized_start=557
-  _globals['_DRAFTSERVICE']._serialized_end=769
+  _globals['_PROPOSEREQUEST']._serialized_end=391
+  _globals['_PROPOSERESPONSE']._serialized_start=394
+  _globals['_PROPOSERESPONSE']._serialized_end=573
+  _globals['_DRAFTSERVICE']._serialized_start=576
+  _globals['_DRAFTSERVICE']._serialized_end=788
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "delta", "max_draft_len", "sampling", "step", "min_confidence", "tree_budget", "tree_branch", "tree_branch_below", "tree_max_depth", "kv")
+    __slots__ = ("session_id", "delta", "max_draft_len", "sampling", "step", "min_confidence", "tree_budget", "tree_branch", "tree_branch_below", "tree_max_depth", "kv", "principal")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class ProposeRequest(_message.Message):
     TREE_BRANCH_BELOW_FIELD_NUMBER: _ClassVar[int]
     TREE_MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     delta: _common_pb2.TokenDelta
     max_draft_len: int
@@ -31,7 +32,8 @@ class ProposeRequest(_message.Message):
     tree_branch_below: float
     tree_max_depth: int
     kv: _common_pb2.KvBlock
-    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., max_draft_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., min_confidence: _Optional[float] = ..., tree_budget: _Optional[int] = ..., tree_branch: _Optional[int] = ..., tree_branch_below: _Optional[float] = ..., tree_max_depth: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvBlock, _Mapping]] = ...) -> None: ...
+    principal: str
+    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., max_draft_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., min_confidence: _Optional[float] = ..., tree_budget: _Optional[int] = ..., tree_branch: _Optional[int] = ..., tree_branch_below: _Optional[float] = ..., tree_max_depth: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KvBlock, _Mapping]] = ..., principal: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tokens", "probs", "cached_len", "draft_ms", "tree", "token_scores")

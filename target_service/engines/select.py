@@ -7,6 +7,7 @@ import argparse
 import logging
 import pathlib
 
+from specdec.core.settings import LONG_DRAFT_LEN, MAX_DRAFT_LEN
 from specdec.models import SMOLLM2_ALIASES, smollm2_gguf_path
 
 log = logging.getLogger("specdec.target")
@@ -71,7 +72,7 @@ def build_engine(args: argparse.Namespace):
 
         return LlamaCppEngine(gguf_file(args.model), args.model, threads=args.threads,
                               context_tokens=args.llama_context, max_sessions=args.max_sessions,
-                              max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
+                              max_draft_len=args.max_draft_len or LONG_DRAFT_LEN, batch_window_ms=args.batch_window_ms,
                               max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction,
                               kv_unified=args.llama_kv_unified, session_tokens=args.llama_session_context,
                               kv_budget_mib=args.max_cache_mb)
@@ -82,5 +83,6 @@ def build_engine(args: argparse.Namespace):
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
                         ragged=args.ragged_batch == "auto")
     store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
-    return TargetEngine(loaded, store, max_draft_len=args.max_draft_len, batch_window_ms=args.batch_window_ms,
+    return TargetEngine(loaded, store, max_draft_len=args.max_draft_len or MAX_DRAFT_LEN,
+                        batch_window_ms=args.batch_window_ms,
                         max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction)
