@@ -23,6 +23,8 @@ class DirectLlamaCpp:
     """Plain llama.cpp: one context; a prompt prefilled in one batch, then single-token decodes, each the argmax
     of its logits."""
 
+    BATCH = 512  # tokens per llama_decode (the context's n_batch)
+
     def __init__(self, gguf: str, threads: int):
         import llama_cpp
         from llama_cpp import _logger
@@ -32,19 +34,23 @@ class DirectLlamaCpp:
         self.ll = llama_cpp
         self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 4096, 512, 512
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 4096, self.BATCH, self.BATCH
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.batch = llama_cpp.llama_batch_init(self.BATCH, 0, 1)
 
     def _feed(self, tokens: list[int], start: int) -> int:
         return self.feed_rows(tokens, start, rows=1)[-1]
 
     def feed_rows(self, tokens: list[int], start: int, rows: int) -> list[int]:
-        """Decode tokens at positions start.. in one llama_decode; the argmax of the last `rows` positions."""
+        """Decode tokens at positions start.. in one llama_decode (a prompt longer than a batch, BATCH tokens, in
+        several); the argmax of the last `rows` positions."""
+        while len(tokens) > self.BATCH:  # earlier chunks: no logits wanted (rows never reach past the last chunk)
+            self.feed_rows(tokens[: self.BATCH], start, rows=0)
+            tokens, start = tokens[self.BATCH:], start + self.BATCH
         batch = self.batch
         for j, t in enumerate(tokens):
             batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0] = t, start + j, 1, 0
@@ -53,7 +59,7 @@ class DirectLlamaCpp:
         if self.ll.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
         return [int(np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i - rows), shape=(self.n_vocab,))
-                    .argmax()) for i in range(rows)]
+                    .argmax()) for i in range(rows)] if rows else []
 
     def crop(self, length: int) -> None:
         """Drop the cached positions from `length` on (rejected draft tokens)."""

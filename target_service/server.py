@@ -18,7 +18,7 @@ from target_service.engines import select as engines
 from target_service.engines.base import TargetBackend
 from target_service.settings import TargetSettings
 
-PROFILE_MAX_TOKENS = 96  # the longest forward the start-up profile times (a few seconds in all)
+PROFILE_MAX_TOKENS = 64  # the longest forward the start-up profile times (a few seconds in all)
 
 log = logging.getLogger("specdec.target")
 

@@ -1,5 +1,5 @@
 """`python -m bench --engine`: the benchmark's services run the engine, draft strategy, target threads and CPU plan
-that `specdec run` resolves for the same options (llama.cpp with n-gram drafting in the orchestrator for the
+that `specdec run` resolves for the same options (llama.cpp with suffix-tree drafting in the orchestrator for the
 GGUF target on a CPU), its headline is `specdec run`'s default configuration, and `speedup_vs_llamacpp` compares
 it with plain llama.cpp at the cores that configuration uses in all."""
 
@@ -17,7 +17,7 @@ from bench.runner import main, parse_args
 from bench.services import BenchServices, available_flags
 from launcher.cli import _stack_config, build_parser
 from launcher.stack import LocalStack
-from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+from specdec.core.strategies import LOCAL_DRAFTS, LOCAL_SUFFIX, QUANTIZED
 from specdec.ops.cpu_affinity import affinity_args, allowed_cpus
 
 TINY = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
@@ -54,7 +54,7 @@ def test_the_gguf_target_runs_on_the_engine_specdec_run_picks(tmp_path):
     stack = specdec_run_stack(tmp_path)
     assert args.engine == "auto"
     assert services.engine == stack.engine == "llamacpp" and services.engine_reason == stack.engine_reason
-    assert services.strategy == stack.draft_strategy == LOCAL_NGRAM
+    assert services.strategy == stack.draft_strategy == LOCAL_SUFFIX
     cores = min(len(allowed_cpus()), 2)  # the target computes on the draft's core as well
     assert services.target_threads == stack.target_threads == cores
     assert services.cpu_plan == stack.cpu_plan
@@ -78,9 +78,9 @@ def test_the_gguf_target_runs_on_the_engine_specdec_run_picks(tmp_path):
         assert argv[argv.index(cache[0]): argv.index(cache[0]) + len(cache)] == cache
 
     for name, (target_proc, extra) in services.orchestrators.items():  # every orchestrator drafts in process
-        assert extra[extra.index("--draft") + 1] == "local:ngram", name
+        assert extra[extra.index("--draft") + 1] == "local:suffix", name
         assert not name.startswith("orch-tree")
-    # The headline's orchestrator is `specdec run`'s: --pipeline auto, the goodput draft length, local n-gram.
+    # The headline's orchestrator is `specdec run`'s: --pipeline auto, the goodput draft length, local suffix trees.
     flags = services.orchestrator_flags(services.orchestrators["orch-pipe-auto"][1])
     assert stack.cfg.pipeline == "auto" and flags[flags.index("--pipeline") + 1] == "auto"
     assert stack.cfg.adaptive_draft_len and "--adaptive-draft-len" in flags
@@ -91,7 +91,7 @@ def test_the_gguf_target_runs_on_the_engine_specdec_run_picks(tmp_path):
 def test_engine_torch_keeps_the_pytorch_stack(tmp_path):
     args, services = bench_services(tmp_path, ["--quick", "--engine", "torch"])
     stack = specdec_run_stack(tmp_path, "--engine", "torch")
-    assert services.engine == "torch" and services.strategy == stack.draft_strategy != LOCAL_NGRAM
+    assert services.engine == "torch" and services.strategy == stack.draft_strategy not in LOCAL_DRAFTS
     assert services.target_threads == 1 and services.cpu_plan == {
         "draft" if n == "draft0" else n: c for n, c in stack.cpu_plan.items()}
     spawned = spawned_command_lines(services)
@@ -152,9 +152,9 @@ def test_bench_on_the_gguf_measures_the_llamacpp_stack(tmp_path):
     assert rc == 0
     res = json.loads(buf.getvalue())
     assert res["engine"] == "llamacpp" and "GGUF" in res["engine_reason"]
-    assert res["headline_config"] == RUN_DEFAULT and res["draft"]["strategy"] == LOCAL_NGRAM
+    assert res["headline_config"] == RUN_DEFAULT and res["draft"]["strategy"] == LOCAL_SUFFIX
     by = {c["name"]: c for c in res["configs"]}
-    assert "local:ngram" in by[RUN_DEFAULT]["orchestrator_flags"]
+    assert "local:suffix" in by[RUN_DEFAULT]["orchestrator_flags"]
     assert res["llamacpp_cores"] == res["target_threads"] == res["settings"]["target_threads"]
     assert res["speedup_vs_llamacpp"] == pytest.approx(res["tokens_per_s"] / res["llamacpp_tokens_per_s"])
     assert res["microbench"]["engine"] == "llamacpp" and res["overheads"]["draft_propose_rpc_ms"] is None

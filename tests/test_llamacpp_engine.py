@@ -354,7 +354,7 @@ def test_run_and_up_pick_the_llamacpp_engine_and_a_drafter_that_needs_no_target_
     from launcher import cli
     from launcher.stack import LocalStack, StackConfig
     from specdec.core.grpc_util import StartupError
-    from specdec.core.strategies import LOCAL_NGRAM, QUANTIZED
+    from specdec.core.strategies import LOCAL_DRAFTS, LOCAL_SUFFIX, QUANTIZED
     from specdec.ops.cpu_affinity import allowed_cpus
 
     for command in ("run", "up"):
@@ -362,12 +362,12 @@ def test_run_and_up_pick_the_llamacpp_engine_and_a_drafter_that_needs_no_target_
     if MISSING:
         pytest.fail(MISSING)
     auto = LocalStack(StackConfig(engine="auto"), str(tmp_path))
-    assert (auto.engine, auto.draft_strategy) == ("llamacpp", LOCAL_NGRAM)
+    assert (auto.engine, auto.draft_strategy) == ("llamacpp", LOCAL_SUFFIX)
     # no draft process: the target computes on the cores a draft replica would have had
     assert auto.target_threads == min(len(allowed_cpus()), 2)
     library = LocalStack(StackConfig(), str(tmp_path))
     assert (library.engine, library.target_threads) == ("torch", 1)
-    assert library.draft_strategy != LOCAL_NGRAM
+    assert library.draft_strategy not in LOCAL_DRAFTS
     forced = LocalStack(StackConfig(engine="llamacpp", draft_strategy=QUANTIZED), str(tmp_path))
     assert (forced.engine, forced.draft_strategy, forced.target_threads) == ("llamacpp", QUANTIZED, 1)
     tiny = LocalStack(StackConfig(engine="auto", target_model="tiny:vocab=64,layers=1,hidden=32"), str(tmp_path))

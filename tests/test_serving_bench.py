@@ -198,10 +198,10 @@ def test_the_serving_bench_measures_the_stack_specdec_up_runs():
     the orchestrator, the target on the draft's cores; --engine torch keeps the PyTorch stack."""
     from bench.serving import parse_args, stack_config
     from launcher.stack import LocalStack
-    from specdec.core.strategies import LOCAL_NGRAM
+    from specdec.core.strategies import LOCAL_SUFFIX
 
     default = LocalStack(stack_config(parse_args(["--quick"]), 0))
-    assert (default.engine, default.draft_strategy, default.target_threads) == ("llamacpp", LOCAL_NGRAM, 2)
+    assert (default.engine, default.draft_strategy, default.target_threads) == ("llamacpp", LOCAL_SUFFIX, 2)
     torch_stack = LocalStack(stack_config(parse_args(["--quick", "--engine", "torch"]), 0))
     assert torch_stack.engine == "torch" and torch_stack.target_threads == 1
 
