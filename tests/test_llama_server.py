@@ -232,7 +232,7 @@ def test_real_llama_server_decodes_greedily_like_llamacpp_and_its_ngram_mode_is_
     if binary is None:
         pytest.skip(why)
     from bench.llamacpp_rows import DirectLlamaCpp
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
     from specdec.models import load_tokenizer, smollm2_gguf_path
 
     gguf = str(smollm2_gguf_path())
