@@ -58,6 +58,12 @@ class DraftPool(ReplicaPool):
         channel = make_channel(address, authority=authority) if authority else None
         return DraftReplica(address, breaker, DraftClient(address, channel) if channel else None)
 
+    def max_draft_len(self) -> int:
+        """The longest draft every replica that has reported takes (ModelInfo.max_draft_len; 0: none says): part
+        of a request's draft ceiling, resolved at admission (orchestrator/api/limits.py)."""
+        limits = [r.info.max_draft_len for r in list(self.replicas) if r.info is not None and r.info.max_draft_len]
+        return min(limits, default=0)
+
     def pick(self, session_id: str) -> DraftReplica | None:
         """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
         for r in self.ranking(session_id):
