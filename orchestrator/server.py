@@ -567,7 +567,7 @@ def serve(args: argparse.Namespace) -> None:
     cfg = settings.from_args(LoopConfig, args)
     http = None
     if args.http_listen:
-        from orchestrator.http_api import HttpServer
+        from orchestrator.api.http import HttpServer
 
         http = HttpServer(args.http_listen)  # bound now: a taken port fails before the wait for the target
     servicer = build_servicer(args.target, args.draft, store_url, args.tokenizer, cfg, args.max_new_tokens_limit,
