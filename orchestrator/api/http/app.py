@@ -67,8 +67,9 @@ def with_limits(base: dict, servicer) -> dict:
                 branch["maxItems"] = servicer.max_stop_strings
     set_limits("ChatCompletionRequest", "max_completion_tokens", maximum=servicer.max_new_tokens_limit)
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-        if branch.get("items", {}).get("type") == "integer":
-            branch["maxItems"] = servicer.max_prompt_tokens
+        ids = branch.get("items", {}) if branch.get("items", {}).get("type") == "array" else branch  # a batch of one
+        if ids.get("items", {}).get("type") == "integer":
+            ids["maxItems"] = servicer.max_prompt_tokens
     if not getattr(servicer.tokenizer, "chat_template", None):
         set_limits("ChatCompletionRequest", "messages", maxItems=1)
         schemas["ChatMessage"]["properties"]["role"]["enum"] = ["user"]

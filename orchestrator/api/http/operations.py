@@ -7,13 +7,13 @@ import asyncio
 import grpc
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.api.http.deps import servicer_of
 from orchestrator.api.http.errors import ApiError, documented
 from orchestrator.api.http.schemas import Health
 
 router = APIRouter(tags=["operations"])
-PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's CONTENT_TYPE_LATEST
 
 
 def healthy(servicer) -> tuple[bool, dict]:
@@ -43,12 +43,10 @@ async def health(servicer=Depends(servicer_of)):
 
 @router.get("/metrics", response_class=Response, responses={
     200: {"description": "the orchestrator's Prometheus metrics (text exposition format)",
-          "content": {PROMETHEUS: {"schema": {"type": "string"}}}},
+          "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
     **documented(503)})
 async def metrics():
     """The orchestrator's Prometheus metrics (the same as --metrics-port serves)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
     from specdec import observability as telemetry
 
     registry = telemetry.prometheus_registry()
