@@ -17,6 +17,8 @@ from specdec.v1 import orchestrator_pb2 as opb
 
 SESSION_HEADER = "X-Specdec-Session-Id"
 ERRORS = documented(400, 401, 404, 429, 500, 503)
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event",
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last: [DONE]"}}}
 
 
 def generation_responses(model: type, chunk: str) -> dict:
@@ -24,7 +26,7 @@ def generation_responses(model: type, chunk: str) -> dict:
     return {200: {"model": model, "description": f"the whole response; with stream true, `text/event-stream`: one "
                                                  f"`data: {{{chunk}}}` per committed block, then `data: [DONE]`",
                   "headers": {SESSION_HEADER: {"description": "the session id", "schema": {"type": "string"}}},
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **ERRORS}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}, **ERRORS}
 
 
 class SseResponse(StreamingResponse):
@@ -100,5 +102,5 @@ async def completions(body: CompletionRequest, request: Request, servicer=Depend
     """A text completion of a prompt (a string, or token ids)."""
     _check_model(servicer, body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await run(request, completion_request(body), auth, chat=False, stream=bool(body.stream),
+    return await run(request, completion_request(servicer, body), auth, chat=False, stream=bool(body.stream),
                      include_usage=include_usage)

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from orchestrator.api.http.schemas import NEUTRAL_ONLY, ErrorResponse
 
@@ -103,8 +104,10 @@ def validation_error(e: RequestValidationError) -> ApiError:
             return bad_request(f"the request body is not valid JSON: {bad}")
         return bad_request(f"the request body is not valid JSON: {first.get('msg')}")
     param = _param(tuple(first.get("loc", ())))
-    if param is None or first.get("type") == "model_attributes_type":
-        return bad_request("the request body must be a JSON object")
+    if param is None:
+        if first.get("type") in ("model_attributes_type", "model_type", "missing"):
+            return bad_request("the request body must be a JSON object")
+        return bad_request(first["msg"])  # a rule over several fields
     # A union's members each fail: the deepest location says most (stop: [""] -> the empty string, not "a str").
     first = max((x for x in errors if (_param(tuple(x.get("loc", ()))) or "").split("[")[0] == param.split("[")[0]),
                 key=lambda x: len(x.get("loc", ())))
@@ -124,9 +127,28 @@ async def on_validation_error(request: Request, e: RequestValidationError) -> JS
     return error_response(validation_error(e))
 
 
+def _routes(routes):
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI wraps an included router (no prefix here)
+        yield from (_routes(inner.routes) if inner is not None else (route,))
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves on this path (Starlette's own Allow names the first matching route's)."""
+    methods = set()
+    for route in _routes(request.app.router.routes):
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
 async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """Routing's own errors (an unknown path, a method the path does not serve: with its Allow header)."""
-    return error_response(ApiError(e.status_code, str(e.detail)), headers=getattr(e, "headers", None))
+    """Routing's own errors: an unknown path; a method the path does not serve, with the Allow header."""
+    headers = dict(getattr(e, "headers", None) or {})
+    if e.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
+    return error_response(ApiError(e.status_code, str(e.detail)), headers=headers or None)
 
 
 def install(app) -> None:

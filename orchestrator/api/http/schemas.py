@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 U32 = 2**32 - 1
 I32 = 2**31 - 1
@@ -15,11 +16,29 @@ I32 = 2**31 - 1
 
 class Strict(BaseModel):
     """A request body: exact JSON types, unknown fields refused (nothing that would change the output is ignored)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
 
 
+def _integral(value):
+    """JSON Schema's integer: 3.0 is one (the strict model refuses strings and booleans all the same)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise ValueError("only false is supported")
+    return value
+
+
+def integer(**constraints):
+    """An integer field (the validator after the constraints, so the schema keeps them as minimum/maximum)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+FalseOnly = Annotated[bool, AfterValidator(_only_false), WithJsonSchema({"type": "boolean", "enum": [False]})]
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, description="a token id of the target's vocabulary")]
+Text = Annotated[str, Field(pattern=r"\S", description="text with a non-blank character")]  # blank: no prompt
+TokenId = integer(ge=0, description="a token id of the target's vocabulary")
 
 
 def neutral(value, what: str):
@@ -43,36 +62,36 @@ class ResponseFormat(Strict):
 class GenerationFields(Strict):
     """What chat and text completions share."""
     model: NonEmpty = Field(description="the target's name (GET /v1/models)")
-    max_tokens: Annotated[int, Field(ge=1, le=U32)] | None = Field(
+    max_tokens: integer(ge=1, le=U32) | None = Field(
         None, description="tokens to generate; chat's default: up to the context and the server's limit, "
                           "completions': 16")
     temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="0 is greedy; default 1")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = Field(
-        None, description="the same seed gives the same text over HTTP and gRPC")
+    seed: integer() | None = Field(
+        None, description="any integer, taken modulo 2**64; the same seed gives the same text over HTTP and gRPC")
     stop: NonEmpty | list[NonEmpty] | None = Field(None, description="the text ends before the first one")
-    n: Annotated[int, Field(ge=1, le=1)] | None = Field(None, description="one choice per request")
+    n: integer(ge=1, le=1) | None = Field(None, description="one choice per request")
     user: str | None = Field(None, description="accepted, not used")
     stream: bool | None = Field(None, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="read with stream true")
     # vLLM's sampling extras
-    top_k: Annotated[int, Field(ge=-1, le=I32)] | None = Field(None, description="0 or -1: off")
+    top_k: integer(ge=-1, le=I32) | None = Field(None, description="0 or -1: off")
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     # specdec's
     speculation: bool | Literal["on", "off", "default"] | None = Field(
         None, description='true/"on", false/"off" (target-only decoding), null/"default" (the server\'s)')
-    max_draft_len: Annotated[int, Field(ge=0, le=I32)] | None = Field(
+    max_draft_len: integer(ge=0, le=I32) | None = Field(
         None, description="the longest draft of this request (0: the server's default)")
     # OpenAI's and vLLM's parameters this server does not implement
     presence_penalty: Zero | None = neutral(0, "0")
     frequency_penalty: Zero | None = neutral(0, "0")
     repetition_penalty: One | None = neutral(1, "1")
     min_p: Zero | None = neutral(0, "0")
-    min_tokens: Annotated[int, Field(ge=0, le=0)] | None = neutral(0, "0")
+    min_tokens: integer(ge=0, le=0) | None = neutral(0, "0")
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = neutral({}, "{}")
     service_tier: Literal["auto", "default"] | None = neutral("auto", '"auto" or "default"')
-    store: Literal[False] | None = neutral(False, "false")
+    store: FalseOnly | None = neutral(False, "false")
 
 
 class ChatMessagePart(Strict):
@@ -86,33 +105,41 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(GenerationFields):
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["max_tokens", "max_completion_tokens"]}})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
         description="through the model's chat template; a model without one takes a single user message")
-    max_completion_tokens: Annotated[int, Field(ge=1, le=U32)] | None = Field(
-        None, description="chat's newer name for max_tokens; wins when both are given")
-    logprobs: Literal[False] | None = neutral(False, "false")
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = neutral(0, "0")
+    max_completion_tokens: integer(ge=1, le=U32) | None = Field(
+        None, description="chat's newer name for max_tokens (give one of them)")
+    logprobs: FalseOnly | None = neutral(False, "false")
+    top_logprobs: integer(ge=0, le=0) | None = neutral(0, "0")
     tools: NoList | None = neutral([], "[]")
     tool_choice: Literal["none"] | None = neutral("none", '"none"')
     functions: NoList | None = neutral([], "[]")
     function_call: Literal["none"] | None = neutral("none", '"none"')
-    parallel_tool_calls: Literal[False] | None = neutral(False, "false")
+    parallel_tool_calls: FalseOnly | None = neutral(False, "false")
     response_format: ResponseFormat | None = neutral({"type": "text"}, '{"type": "text"}')
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if {"max_tokens", "max_completion_tokens"} <= self.model_fields_set:
+            raise PydanticCustomError("conflict", "give max_completion_tokens or max_tokens (its older name), not both")
+        return self
 
 
 class CompletionRequest(GenerationFields):
-    prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+    prompt: (Text | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Text], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]) = \
         Field(description="a string or a list of token ids; a batch of one of either")
-    logprobs: Annotated[int, Field(ge=0, le=0)] | None = neutral(0, "0")
-    echo: Literal[False] | None = neutral(False, "false")
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = neutral(1, "1")
+    logprobs: integer(ge=0, le=0) | None = neutral(0, "0")
+    echo: FalseOnly | None = neutral(False, "false")
+    best_of: integer(ge=1, le=1) | None = neutral(1, "1")
     suffix: Annotated[str, Field(max_length=0)] | None = neutral("", '""')
 
 
 class ResumeRequest(Strict):
-    resume_from: Annotated[int, Field(ge=0, le=U32)] = Field(0, description="the first token not yet received")
+    resume_from: integer(ge=0, le=U32) = Field(0, description="the first token not yet received")
     stream: bool = True
     stream_options: StreamOptions | None = None
     object: Literal["chat.completion", "text_completion"] = Field(

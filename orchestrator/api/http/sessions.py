@@ -12,7 +12,7 @@ from orchestrator.api.http.completions import SESSION_HEADER, generation_respons
 from orchestrator.api.http.deps import authorization, servicer_of
 from orchestrator.api.http.errors import documented
 from orchestrator.api.http.responses import session_info
-from orchestrator.api.http.schemas import ChatCompletion, ResumeRequest, SessionCancelled, SessionInfo
+from orchestrator.api.http.schemas import ChatCompletion, Completion, ResumeRequest, SessionCancelled, SessionInfo
 from orchestrator.api.http.translate import resume_request
 from specdec.v1 import orchestrator_pb2 as opb
 
@@ -38,7 +38,8 @@ async def cancel_session(session_id: SessionId, servicer=Depends(servicer_of),
 
 
 @router.post("/v1/sessions/{session_id}/resume", response_model=None,
-             responses={**generation_responses(ChatCompletion, "chat.completion.chunk"), **documented(409)})
+             responses={**generation_responses(ChatCompletion | Completion, "chat.completion.chunk or text_completion"),
+                        **documented(409)})
 async def resume(session_id: SessionId, request: Request, body: Annotated[ResumeRequest | None, Body()] = None,
                  auth: str | None = Depends(authorization)):
     """Resume a session's stream from token `resume_from`, with the session's own prompt and parameters: a

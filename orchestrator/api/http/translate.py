@@ -36,7 +36,7 @@ def chat_request(servicer, body: ChatCompletionRequest) -> opb.GenerateRequest:
         raise bad_request(str(e), "messages") from None
     req = _common(body)
     req.token_ids.ids.extend(ids)
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = body.max_completion_tokens or body.max_tokens  # one of them at most
     if max_tokens is None:  # OpenAI: up to the context; here also up to the server's per-request limit
         room = servicer.target_info.max_context - len(ids)
         max_tokens = max(1, min(servicer.max_new_tokens_limit, room))
@@ -44,7 +44,7 @@ def chat_request(servicer, body: ChatCompletionRequest) -> opb.GenerateRequest:
     return req
 
 
-def completion_request(body: CompletionRequest) -> opb.GenerateRequest:
+def completion_request(servicer, body: CompletionRequest) -> opb.GenerateRequest:
     req = _common(body)
     prompt = body.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
@@ -53,7 +53,8 @@ def completion_request(body: CompletionRequest) -> opb.GenerateRequest:
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
-    req.max_new_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    # OpenAI's default, within what this server allows a request
+    req.max_new_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, servicer.max_new_tokens_limit)
     return req
 
 
