@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 
 from orchestrator.api.http import HttpServer
-from orchestrator.server import principal_of
+from orchestrator.api.server import principal_of
 from tests.harness import DRAFT_EARLY, TARGET, start_stack
 
 TOKEN = "schema-token"

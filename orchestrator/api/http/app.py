@@ -8,7 +8,11 @@ import time
 
 from fastapi import FastAPI
 
-from orchestrator.api.http import completions, errors, models, operations, sessions
+from orchestrator.api.http.completions import router as completions
+from orchestrator.api.http.errors import install as install_error_handlers
+from orchestrator.api.http.models import router as models
+from orchestrator.api.http.operations import router as operations
+from orchestrator.api.http.sessions import router as sessions
 
 
 def build_app(servicer) -> FastAPI:
@@ -17,9 +21,9 @@ def build_app(servicer) -> FastAPI:
                               "OpenAI's shape, {\"error\": {message, type, param, code}}.")
     app.state.servicer = servicer
     app.state.started = int(time.time())
-    errors.install(app)
-    for group in (completions, models, sessions, operations):
-        app.include_router(group.router)
+    install_error_handlers(app)
+    for router in (completions, models, sessions, operations):  # one module per route group
+        app.include_router(router)
     base = app.openapi
     app.openapi = lambda: with_limits(base(), servicer)  # auth and limits as they are now (a test may change them)
     return app

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from orchestrator.api.http import responses
+from orchestrator.api.http.responses import Shaper, sse, whole
 from orchestrator.api.http.bridge import GenerateStream, HttpContext
 from orchestrator.api.http.deps import authorization, servicer_of
 from orchestrator.api.http.errors import documented, model_not_found
@@ -65,13 +65,13 @@ async def run(request: Request, req: opb.GenerateRequest, authorization: str | N
         watcher.cancel()
         gen.cancel()
         raise
-    shaper = responses.Shaper(chat, first.session_id, servicer.target_info.model_name, include_usage)
+    shaper = Shaper(chat, first.session_id, servicer.target_info.model_name, include_usage)
     headers = {SESSION_HEADER: first.session_id}
     if stream:
         watcher.cancel()  # the streaming response watches for itself
-        return SseResponse(responses.sse(gen, first, shaper), gen, headers=headers)
+        return SseResponse(sse(gen, first, shaper), gen, headers=headers)
     try:
-        return JSONResponse(await responses.whole(gen, first, shaper), headers=headers)
+        return JSONResponse(await whole(gen, first, shaper), headers=headers)
     finally:
         watcher.cancel()
         gen.cancel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from orchestrator.api.http.errors import bad_request
 from orchestrator.api.http.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from orchestrator.prompts import chat_prompt_ids
+from orchestrator.api.prompts import chat_prompt_ids
 from specdec.v1 import orchestrator_pb2 as opb
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
