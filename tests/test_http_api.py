@@ -14,7 +14,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from orchestrator.http_api import SESSION_HEADER, HttpServer
+from orchestrator.api.http import SESSION_HEADER, HttpServer
 from orchestrator.api.server import principal_of
 from orchestrator.store.session_store import open_store
 from tests.harness import DRAFT_EARLY, TARGET, start_stack

@@ -485,7 +485,7 @@ def serve(args: argparse.Namespace) -> None:
     configure_tls(tls_from_args(args))  # channels to draft and target
     http = None
     if args.http_listen:
-        from orchestrator.http_api import HttpServer
+        from orchestrator.api.http import HttpServer
 
         http = HttpServer(args.http_listen)  # bound now: a taken port fails before the wait for the target
     servicer = build_servicer(settings)

@@ -37,6 +37,7 @@ class LocalDraftReplica(DraftReplica):
 
 class DraftPool(ReplicaPool):
     KIND = "draft"
+    _always_checked = (LocalDraftReplica,)
 
     def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
                  health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
@@ -67,6 +68,6 @@ class DraftPool(ReplicaPool):
     def pick(self, session_id: str) -> DraftReplica | None:
         """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
         for r in self.ranking(session_id):
-            if r.refused is None and r.breaker.allow():
+            if self.eligible(r) and r.breaker.allow():
                 return r
         return None
