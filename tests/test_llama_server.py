@@ -242,6 +242,7 @@ def test_real_llama_server_decodes_greedily_like_llamacpp_and_its_ngram_mode_is_
     try:
         ref = []
         for ids in prompts:
+            direct.ll.llama_memory_clear(direct.mem, True)
             out = [direct._feed(ids, 0)]
             for i in range(15):
                 out.append(direct._feed([out[-1]], len(ids) + i))
