@@ -123,7 +123,8 @@ def render_flags(parser: argparse.ArgumentParser) -> str:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
             continue
         meaning = _help(parser, action)
-        text = f"{_cell(_flag(action))} (default {_cell(_default(parser, action))})" + (f": {meaning}" if meaning else "")
+        text = f"{_cell(_flag(action))} (default {_cell(_default(parser, action))})"
+        text += f": {meaning}" if meaning else ""
         items.append("\n".join(textwrap.wrap(text, WIDTH, initial_indent="- ", subsequent_indent="  ",
                                              break_long_words=False, break_on_hyphens=False)))
     return "\n".join(items)
