@@ -54,7 +54,7 @@ def with_limits(base: dict, servicer) -> dict:
     doc = copy.deepcopy(base)
     schemas = doc["components"]["schemas"]
     info = servicer.target_info
-    limits = servicer.request_limits()  # what the servicer checks a request against (orchestrator/api/limits.py)
+    limits = servicer.request_limits()  # orchestrator/api/limits.py: what a request is admitted within
     vocab_max = limits.vocab_size - 1
 
     def set_limits(model: str, field: str, **keywords) -> None:
