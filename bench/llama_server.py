@@ -145,6 +145,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the benchmark process dies, however it dies (a SIGKILL or SIGTERM
+    runs no atexit handler), so no server outlives its benchmark."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class LlamaServer:
     """One llama-server process on a free loopback port; `start()` returns once /health answers 200."""
 
@@ -174,7 +182,8 @@ class LlamaServer:
             self.log_path = os.path.join(log_dir, f"llama-server-{self.port}.log")
             with open(self.log_path, "wb") as logf:
                 self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             atexit.register(self.stop)
             try:
                 self._wait_ready()

@@ -68,6 +68,40 @@ def test_server_is_killed_when_the_block_raises(fake_binary):
     assert proc.poll() is not None
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_server_dies_with_a_benchmark_killed_without_cleanup(fake_binary, tmp_path):
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "server.pid"
+    code = (f"import time, bench.llama_server as ls; s = ls.LlamaServer({fake_binary!r}, 'm.gguf', threads=1, "
+            f"parallel=1, ctx_per_slot=256).start(); open({str(pid_file)!r}, 'w').write(str(s.proc.pid)); "
+            "time.sleep(60)")
+    bench = subprocess.Popen([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent.parent)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and bench.poll() is None
+            time.sleep(0.1)
+        server_pid = int(pid_file.read_text())
+        bench.send_signal(signal.SIGKILL)  # no finally, no atexit
+        bench.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{server_pid}") and "Z" not in _state(server_pid):
+            assert time.monotonic() < deadline, "llama-server outlived the killed benchmark"
+            time.sleep(0.1)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def test_a_server_that_exits_at_start_says_why(fake_binary, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_SERVER_MODE", "exit")
     with pytest.raises(RuntimeError, match="exited with 1.*--no-such-flag"):
