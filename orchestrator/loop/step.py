@@ -10,7 +10,7 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.policy.draft_length import dry_step_tokens, make_draft_length
+from orchestrator.policy.draft_length import Evidence, dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
 from orchestrator.loop.draft_call import DraftCall
 from orchestrator.loop.handover import PromptHandover
@@ -28,12 +28,13 @@ class Step:
         self.prefetch = Prefetcher(state, self.draft)
         self.handover = PromptHandover(state)
         cfg, measured, fixed = state.cfg, state.measured, state.rec.params.max_draft_len
-        # A per-request max_draft_len is a fixed length; the server default may adapt (chains only).
-        self.draft_len = make_draft_length(
-            min(fixed or cfg.default_draft_len, state.max_draft_len), state.max_draft_len,
-            cfg.adaptive_draft_len and not fixed and not cfg.tree_budget, cfg.draft_len_policy,
-            measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
-            measured.draft_cost)
+        # A per-request max_draft_len is a fixed length (within the limit, resolved at admission); the server
+        # default may adapt (chains only).
+        evidence = Evidence(measured.target_cost, measured.acceptance_prior, measured.draft_evidence,
+                            measured.draft_cost)
+        self.draft_len = make_draft_length(fixed or min(cfg.default_draft_len, state.max_draft_len),
+                                           state.max_draft_len, cfg.adaptive_draft_len and not fixed
+                                           and not cfg.tree_budget, cfg.draft_len_policy, evidence, cfg.fallback_chunk)
         self.tree = TreeStrategy(state, self) if cfg.tree_budget > 0 else None
         self.dry_steps = 0  # steps in a row whose drafter proposed nothing (no n-gram match)
 
