@@ -24,7 +24,8 @@ from bench.prompts import Prompt, encode, select
 from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
                            session_job_count, sessions_sweep_flags)
 from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs, llamacpp_session
-from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
+from bench.measure import (_run_one, measure_overheads, microbench, run_sessions_level, target_only_breakdown,
+                           verify_forward)
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
 log = logging.getLogger("bench")
@@ -318,6 +319,11 @@ def run(args: argparse.Namespace) -> dict:
     rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
+    target_only_row = next((r for r in rows if r["name"] == "specdec-target-only"), {})
+    res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(target_only_row,
+                                                                         res.get("llamacpp_tokens_per_s"))
+    res["target_only_vs_llamacpp"] = analysis.ratio(res.get("target_only_tokens_per_s"),
+                                                    res.get("llamacpp_tokens_per_s"))
     res.update(engine=services.engine, engine_reason=services.engine_reason, target_threads=services.target_threads)
     res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
     res["machine"]["cpu_affinity"] = {

@@ -199,11 +199,13 @@ def measure_profile(forward_ms, max_tokens: int, reps: int = 3) -> list[float]:
 
 
 def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                           stop_token_ids=frozenset(), gen=None, t0=None, session=None) -> tuple[list[int], int, float]:
+                           stop_token_ids=frozenset(), gen=None, t0=None, session=None,
+                           on_token=None) -> tuple[list[int], int, float]:
     """Target-only decoding as single-token steps, each a VerifyJob of an empty draft given to `submit` (the next
     token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other sessions'
     Verify blocks. Same tokens, and the same random stream, as sampling each step's last row directly.
-    `session`: the session object every step uses (VerifyJob.session)."""
+    `session`: the session object every step uses (VerifyJob.session). `on_token(token, cached_len)`: told each
+    token as it comes; False stops the decoding (a stream's consumer went away)."""
     t0 = time.perf_counter() if t0 is None else t0
     if gen is None and not params.is_greedy:
         gen = sampling.make_generator(seed, step, "decode")
@@ -214,7 +216,8 @@ def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, pa
                                session=session))
         out.append(res.next_token)
         cached, delta = res.cached_len, [res.next_token]
-        if res.next_token in stop_token_ids:
+        wanted = on_token is None or on_token(res.next_token, cached) is not False
+        if res.next_token in stop_token_ids or not wanted:
             break
     return out, cached, (time.perf_counter() - t0) * 1e3
 
@@ -370,7 +373,9 @@ class TargetEngine:
         seed: int,
         step: int,
         stop_token_ids: set[int] = frozenset(),
+        on_token=None,
     ) -> tuple[list[int], int, float]:
+        """Target-only decoding; on_token as decode_as_verify_steps's (the DecodeStream RPC's blocks)."""
         t0 = time.perf_counter()
         gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
         # One session object for the whole call, batched steps included: another session's call may evict this one
@@ -382,8 +387,8 @@ class TargetEngine:
             # long row in a batch every decoding session waits for.
             prefix_len, delta = self._prefill_session(sess, prefix_len, delta[:-1]), delta[-1:]
         if self.batcher is not None:
-            return self._decode_batched(sess, prefix_len, delta, max_tokens, params, seed, step,
-                                        stop_token_ids, gen, t0)
+            return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
+                                          seed, step, stop_token_ids, gen, t0, session=sess, on_token=on_token)
         with sess.lock:
             new = self.lm.sync(sess, prefix_len, delta)
             out: list[int] = []
@@ -395,14 +400,11 @@ class TargetEngine:
                     token = int(sampling.sample(sampling.warp_probs(last, params), gen))
                 out.append(token)
                 new = [token]
-                if token in stop_token_ids:
+                wanted = on_token is None or on_token(token, len(sess.tokens)) is not False
+                if token in stop_token_ids or not wanted:
                     break
             self.store.update_size(sess)
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
-
-    def _decode_batched(self, sess, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
-        return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
-                                      seed, step, stop_token_ids, gen, t0, session=sess)
 
     def cache_bytes(self) -> int:
         return self.store.total_bytes()
