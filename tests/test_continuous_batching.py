@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.clients import TargetClient
+from orchestrator.replicas.clients import TargetClient
 from specdec.core.sampling import SamplingParams
 from target_service.engines.llama_steps import SPLIT_SAFE_ROWS
 from target_service.server import build_server
@@ -116,7 +116,7 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
 
 
 def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):
-    from bench.prompts import PROMPTS as BENCH_PROMPTS
+    from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
 
     long_ids = next(prompt_ids(engine, p.text) for p in BENCH_PROMPTS if p.kind == "summary")
     assert len(long_ids) > 3 * SPLIT_SAFE_ROWS

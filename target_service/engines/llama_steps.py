@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from specdec.core import sampling
 from specdec.core.kv_cache import ContextTooLong
 from specdec.core.sampling import SamplingParams
-from target_service.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import VerifyJob, VerifyOutcome
 
 SPLIT_SAFE_ROWS = 48  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
 

@@ -32,9 +32,10 @@ from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
 from specdec.core.grpc_util import call_deadline
-from target_service.engine import VerifyJob, VerifyOutcome, measure_profile
+from target_service.engines.jobs import VerifyJob, VerifyOutcome
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
                                                 VerifyWork, Work)
+from target_service.engines.profile import measure_profile
 
 log = logging.getLogger("specdec.target.llamacpp")
 
