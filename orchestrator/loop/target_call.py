@@ -141,17 +141,17 @@ class TargetCall:
         if d is None:
             d = self._open_stream(total, degraded)
         cost = state.measured.target_cost
-        if cost is not None and len(d.tokens) > 1:
+        if cost is not None and len(d.tokens) > 1:  # the target's time a token; no per-call overhead (no call)
             cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True)
-            if not degraded:
-                state.step_server_ms = d.decode_ms
         rec.target_pos = d.cached_len
         return d
 
     def _open_stream(self, total: int, degraded: bool):
         state, rec, cfg = self.state, self.state.rec, self.state.cfg
         block = max(1, cfg.fallback_chunk)
-        first = 1 if not rec.generated else block  # a generation's first token goes out at once
+        # A target-only generation's first token goes out at once; a paused session's blocks stay its steps (the
+        # draft-length policy probes again after a number of them, at the positions plain Decode calls reached).
+        first = 1 if not rec.generated and not rec.params.speculation else block
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
             self.stream = self.call(lambda t: self.client.decode_stream(
