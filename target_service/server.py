@@ -164,7 +164,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 left = None if deadline is None else deadline - time.monotonic()
                 if sent and left is not None and left <= margin:
                     return  # a clean end before the deadline; the caller continues with a new stream
-                block = stream.take(want, None if left is None else max(0.0, left - margin) if sent else left)
+                try:
+                    block = stream.take(want, None if left is None else max(0.0, left - margin) if sent else left)
+                except TimeoutError:
+                    if sent:
+                        return  # no token since the last block before the margin: the clean end, as above
+                    raise
                 if block.tokens:
                     sent += 1
                     yield target_pb2.DecodeResponse(tokens=block.tokens, cached_len=block.cached_len,
