@@ -59,7 +59,7 @@ def test_configuration_check_fails_on_a_stale_file_and_passes_once_regenerated(t
     assert gen.main(["--check"]) == 0
 
 
-def test_configuration_table_is_read_from_any_parser():
+def test_configuration_flags_are_read_from_any_parser():
     gen = _gen_module()
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--widget-count", type=int, default=7, help="how many | widgets")
@@ -67,11 +67,14 @@ def test_configuration_table_is_read_from_any_parser():
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--name")
     p.set_defaults(name="x")
-    table = gen.render_table(p)
-    assert "| `--widget-count` | `7` | how many \\| widgets |" in table
-    assert "| `--mode` `a\\|b` | `b` |" in table
-    assert "| `--fast`, `--no-fast` | on |" in table
-    assert "| `--name` | `x` |" in table
+    p.add_argument("--long", help="a help text " * 30)
+    flags = gen.render_flags(p)
+    assert "- `--widget-count` (default `7`): how many | widgets" in flags
+    assert "- `--mode` `a|b` (default `b`)" in flags
+    assert "- `--fast`, `--no-fast` (default on)" in flags
+    assert "- `--name` (default `x`)" in flags
+    assert max(len(line) for line in flags.splitlines()) <= gen.WIDTH  # a long help is wrapped
+    assert flags.count("- `--") == 5 and flags.count("\n  ") >= 3  # its continuation lines indented
 
 
 def test_configuration_defaults_do_not_depend_on_the_environment(monkeypatch):
@@ -79,6 +82,17 @@ def test_configuration_defaults_do_not_depend_on_the_environment(monkeypatch):
     monkeypatch.setenv("SPECDEC_TLS_CERT", "/tmp/from-the-environment.pem")
     assert "from-the-environment" not in gen.render()
     assert os.environ["SPECDEC_TLS_CERT"] == "/tmp/from-the-environment.pem"  # restored
+
+
+DOC_LINE_MAX = 300
+
+
+@pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_lines_are_wrapped(doc):
+    """No line over DOC_LINE_MAX characters: prose is wrapped, and a table whose rows would be longer is a list."""
+    long = [f"{n}: {len(line)} characters" for n, line in enumerate(doc.read_text().splitlines(), 1)
+            if len(line) > DOC_LINE_MAX]
+    assert not long, f"{doc.relative_to(ROOT)}: lines over {DOC_LINE_MAX} characters (wrap them): {long}"
 
 
 def test_readme_is_short():

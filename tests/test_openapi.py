@@ -5,6 +5,7 @@ a chat template), with a bounded number of examples."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -29,9 +30,9 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 @pytest.fixture(scope="module")
 def live(redis_url):
     s = start_stack(redis_url, draft=DRAFT_EARLY, max_new_tokens_limit=MAX_NEW)
-    info = s.servicer.target_info
     # Prompt and completion always fit the context, as the document's limits say (JSON Schema cannot add them up).
-    s.servicer.max_prompt_tokens = info.max_context - MAX_NEW
+    limits = s.servicer.request_limits()
+    s.servicer.request_limits = lambda: dataclasses.replace(limits, max_prompt_tokens=limits.max_context - MAX_NEW)
     s.servicer.principals = {principal_of(TOKEN): TOKEN}
     s.servicer.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                                           "{% if add_generation_prompt %}t2{% endif %}")

@@ -172,7 +172,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return RequestLimits(max_new_tokens=self.max_new_tokens_limit,
                              max_draft_len=smallest_limit(self.cfg.max_draft_len, info.max_draft_len, drafts),
                              vocab_size=self.vocab_size, max_context=info.max_context,
-                             max_prompt_tokens=info.max_context)
+                             max_prompt_tokens=max(1, info.max_context - 1))  # room for one new token
 
     def _new_record(self, req: opb.GenerateRequest) -> SessionRecord:
         ids, params = check_request(req, self.request_limits(), self.tokenizer)

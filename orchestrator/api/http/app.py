@@ -54,7 +54,8 @@ def with_limits(base: dict, servicer) -> dict:
     doc = copy.deepcopy(base)
     schemas = doc["components"]["schemas"]
     info = servicer.target_info
-    vocab_max = servicer.vocab_size - 1
+    limits = servicer.request_limits()  # orchestrator/api/limits.py: what a request is admitted within
+    vocab_max = limits.vocab_size - 1
 
     def set_limits(model: str, field: str, **keywords) -> None:
         prop = schemas[model]["properties"][field]
@@ -62,18 +63,18 @@ def with_limits(base: dict, servicer) -> dict:
 
     for model in ("ChatCompletionRequest", "CompletionRequest"):
         set_limits(model, "model", enum=[info.model_name])
-        set_limits(model, "max_tokens", maximum=servicer.max_new_tokens_limit)
-        set_limits(model, "max_draft_len", maximum=servicer.cfg.max_draft_len)
-        set_limits(model, "stop_token_ids", maxItems=servicer.max_stop_token_ids)
+        set_limits(model, "max_tokens", maximum=limits.max_new_tokens)
+        set_limits(model, "max_draft_len", maximum=limits.max_draft_len)
+        set_limits(model, "stop_token_ids", maxItems=limits.max_stop_token_ids)
         stop = _value_branch(schemas[model]["properties"]["stop"])
         for branch in stop.get("anyOf", []):
             if branch.get("type") == "array":
-                branch["maxItems"] = servicer.max_stop_strings
-    set_limits("ChatCompletionRequest", "max_completion_tokens", maximum=servicer.max_new_tokens_limit)
+                branch["maxItems"] = limits.max_stop_strings
+    set_limits("ChatCompletionRequest", "max_completion_tokens", maximum=limits.max_new_tokens)
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         ids = branch.get("items", {}) if branch.get("items", {}).get("type") == "array" else branch  # a batch of one
         if ids.get("items", {}).get("type") == "integer":
-            ids["maxItems"] = servicer.max_prompt_tokens
+            ids["maxItems"] = limits.max_prompt_tokens
     if not getattr(servicer.tokenizer, "chat_template", None):
         set_limits("ChatCompletionRequest", "messages", maxItems=1)
         schemas["ChatMessage"]["properties"]["role"]["enum"] = ["user"]

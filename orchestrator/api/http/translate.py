@@ -38,8 +38,8 @@ def chat_request(servicer, body: ChatCompletionRequest) -> opb.GenerateRequest:
     req.token_ids.ids.extend(ids)
     max_tokens = body.max_completion_tokens or body.max_tokens  # one of them at most
     if max_tokens is None:  # OpenAI: up to the context; here also up to the server's per-request limit
-        room = servicer.target_info.max_context - len(ids)
-        max_tokens = max(1, min(servicer.max_new_tokens_limit, room))
+        limits = servicer.request_limits()
+        max_tokens = max(1, min(limits.max_new_tokens, limits.max_context - len(ids)))
     req.max_new_tokens = max_tokens
     return req
 
@@ -54,7 +54,8 @@ def completion_request(servicer, body: CompletionRequest) -> opb.GenerateRequest
     else:
         req.token_ids.ids.extend(prompt)
     # OpenAI's default, within what this server allows a request
-    req.max_new_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, servicer.max_new_tokens_limit)
+    default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, servicer.request_limits().max_new_tokens)
+    req.max_new_tokens = body.max_tokens or default
     return req
 
 
