@@ -77,9 +77,16 @@ async def run(request: Request, req: opb.GenerateRequest, authorization: str | N
         gen.cancel()
 
 
-def _check_model(servicer, model: str) -> None:
-    if model != servicer.target_info.model_name:
-        raise model_not_found(model, servicer.target_info.model_name)
+def _served(servicer, body):
+    """The body, once its model is the one this server serves (else a 404)."""
+    if body.model != servicer.target_info.model_name:
+        raise model_not_found(body.model, servicer.target_info.model_name)
+    return body
+
+
+def usage_asked(body) -> bool:
+    """stream_options.include_usage (read with stream true only)."""
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 router = APIRouter(tags=["completions"])
@@ -90,17 +97,13 @@ router = APIRouter(tags=["completions"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, servicer=Depends(servicer_of),
                            auth: str | None = Depends(authorization)):
     """A chat completion: the messages through the model's chat template."""
-    _check_model(servicer, body.model)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await run(request, chat_request(servicer, body), auth, chat=True, stream=bool(body.stream),
-                     include_usage=include_usage)
+    req = chat_request(servicer, _served(servicer, body))
+    return await run(request, req, auth, chat=True, stream=bool(body.stream), include_usage=usage_asked(body))
 
 
 @router.post("/v1/completions", response_model=None, responses=generation_responses(Completion, "text_completion"))
 async def completions(body: CompletionRequest, request: Request, servicer=Depends(servicer_of),
                       auth: str | None = Depends(authorization)):
     """A text completion of a prompt (a string, or token ids)."""
-    _check_model(servicer, body.model)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await run(request, completion_request(servicer, body), auth, chat=False, stream=bool(body.stream),
-                     include_usage=include_usage)
+    req = completion_request(servicer, _served(servicer, body))
+    return await run(request, req, auth, chat=False, stream=bool(body.stream), include_usage=usage_asked(body))

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Body, Depends, Path, Request
 from fastapi.responses import JSONResponse
 
 from orchestrator.api.http.bridge import call_unary
-from orchestrator.api.http.completions import SESSION_HEADER, generation_responses, run
+from orchestrator.api.http.completions import SESSION_HEADER, usage_asked, generation_responses, run
 from orchestrator.api.http.deps import authorization, servicer_of
 from orchestrator.api.http.errors import documented
 from orchestrator.api.http.responses import session_info
@@ -45,6 +45,5 @@ async def resume(session_id: SessionId, request: Request, body: Annotated[Resume
     """Resume a session's stream from token `resume_from`, with the session's own prompt and parameters: a
     cancelled session continues, a finished one replays its tail."""
     body = body or ResumeRequest()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await run(request, resume_request(session_id, body.resume_from), auth,
-                     chat=body.object == "chat.completion", stream=body.stream, include_usage=include_usage)
+                     chat=body.object == "chat.completion", stream=body.stream, include_usage=usage_asked(body))
