@@ -8,7 +8,3 @@ speedups with the analytical model of Leviathan et al., and writes bench/results
 `python -m bench --serving [--quick] [--json]` is the serving benchmark instead (bench/serving.py: 1-64 streams and
 Poisson arrivals against the `specdec up` stack). See docs/benchmark.md.
 """
-
-from bench.analysis import alpha_from_accepted_length, predicted_speedup
-
-__all__ = ["alpha_from_accepted_length", "predicted_speedup"]

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results" / "llamacpp" / "latest.json"),
                    help="where the result JSON goes ('' = nowhere)")
     args = p.parse_args(argv)
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
     from bench.runner import cpu_model
     from specdec.models import load_tokenizer, smollm2_gguf_path
 

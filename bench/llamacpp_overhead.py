@@ -35,7 +35,7 @@ class _TimedLlama:
 
 def measure(threads: int, tokens: int, rounds: int, chunk: int) -> dict:
     from bench.llamacpp_rows import DirectLlamaCpp
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
     from specdec.core.sampling import SamplingParams
     from specdec.models import load_tokenizer, smollm2_gguf_path
     from target_service.engines.llamacpp import LlamaCppEngine

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench.prompts import PROMPTS, encode
+from specdec.eval_prompts import PROMPTS, encode
 from specdec.models import smollm2_gguf_path
 from target_service.engines import llamacpp
 from target_service.engines.llamacpp import LlamaCppEngine

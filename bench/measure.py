@@ -150,8 +150,8 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
       per call."""
     import statistics
 
-    from orchestrator.clients import DraftClient, TargetClient
-    from orchestrator.session_store import SessionRecord, open_store
+    from orchestrator.replicas.clients import DraftClient, TargetClient
+    from orchestrator.store.session_store import SessionRecord, open_store
     from specdec.core.sampling import SamplingParams
 
     med = statistics.median

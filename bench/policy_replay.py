@@ -54,7 +54,7 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
     trimmed by its verify_len.
     Returns (tokens, cost in ms, verify steps, tokens decoded target-only). A policy is a fixed k (an int) or a
     factory of DraftLength-like objects (k, update(proposed, accepted), step_taken())."""
-    from orchestrator.draft_length import dry_decode_tokens, dry_step_tokens
+    from orchestrator.policy.draft_length import dry_decode_tokens, dry_step_tokens
 
     tokens, cost, verifies, plain = 0, 0.0, 0, 0
     for table in tables:
@@ -95,7 +95,7 @@ def replay(tables: list[list[Position]], make_policy: Callable[[], object] | int
 
 def compare(tables: list[list[Position]], forward_ms: list[float], max_len: int = 16) -> list[dict]:
     """Every policy over the same tables; speed is tokens per ms relative to target-only."""
-    from orchestrator.draft_length import AcceptancePrior, DraftEvidence, DraftLength, GoodputDraftLength, TargetCost
+    from orchestrator.policy.draft_length import AcceptancePrior, DraftEvidence, DraftLength, GoodputDraftLength, TargetCost
 
     cost = TargetCost(forward_ms)
     policies: list[tuple[str, object]] = [("target-only", 0)]
@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from bench import prompts as bench_prompts
-    from draft_service.server import build_ngram_proposer
+    from specdec import eval_prompts as bench_prompts
+    from draft_service.build import build_ngram_proposer
     from specdec.core.kv_cache import SessionCacheStore, SessionKV
     from specdec.models import load_model
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.target_model)

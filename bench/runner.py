@@ -20,7 +20,7 @@ import sys
 import time
 
 from bench import analysis
-from bench.prompts import Prompt, encode, select
+from specdec.eval_prompts import Prompt, encode, select
 from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
                            session_job_count, sessions_sweep_flags)
 from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs, llamacpp_session
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
                    default="auto", help="auto: as `specdec run` picks it for the engine (docs/engines.md)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
-    p.add_argument("--num-prompts", type=int, default=None, help="prompts from bench/prompts.py (default 12; quick 4)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts from specdec/eval_prompts.py (default 12; quick 4)")
     p.add_argument("--rounds", type=int, default=None, help="repeats of the interleaved sweep (default 2; quick 1)")
     p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 4)")
     p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,

@@ -55,7 +55,7 @@ def available_flags() -> dict:
            "orchestrator --draft local:ngram": False, "orchestrator --draft-len-policy": False,
            "target --cpu-affinity": False, "pipeline_modes": {}}
     try:
-        from orchestrator.server import add_arguments as orch_args
+        from orchestrator.api.server import add_arguments as orch_args
 
         actions = _parser(orch_args)._option_string_actions
         out["orchestrator --adaptive-draft-len"] = "--adaptive-draft-len" in actions

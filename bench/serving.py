@@ -2,7 +2,7 @@
 
 Starts the stack `specdec up` starts (Redis, target with --batch-window-ms 5, one draft, orchestrator with
 --pipeline auto and the goodput draft length; services unpinned) and drives it as vLLM's benchmark_serving and
-SGLang's bench_serving drive a server: streamed requests from a fixed, varied prompt set (bench/prompts.py),
+SGLang's bench_serving drive a server: streamed requests from a fixed, varied prompt set (specdec/eval_prompts.py),
 closed-loop at 1, 2, 4, ..., 64 concurrent streams, then open-loop Poisson arrivals at a few request rates. Every
 level runs twice on the same prompts, back to back: speculative (the server's default) and target-only (the same
 requests with speculation off), the order alternating per level. Per level and mode: output tokens/s, requests/s,
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-per-stream", type=int, default=None,
                    help="requests each closed-loop stream sends at least (default 2; quick 1)")
     p.add_argument("--poisson-requests", type=int, default=None, help="requests per open-loop rate (default 24; quick 6)")
-    p.add_argument("--num-prompts", type=int, default=12, help="prompts from bench/prompts.py, cycled")
+    p.add_argument("--num-prompts", type=int, default=12, help="prompts from specdec/eval_prompts.py, cycled")
     p.add_argument("--seed", type=int, default=0, help="Poisson schedule seed")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="as `specdec up` (its default)")
@@ -312,7 +312,7 @@ def _progress(args, total: int):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
     from specdec.client import SpecdecClient
     from specdec.models import load_tokenizer, parse_tiny_spec
 

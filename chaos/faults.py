@@ -10,7 +10,7 @@ import threading
 from chaos.faults_target import TARGET_FAULTS
 from chaos.harness import ChaosHarness
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
-from orchestrator.draft_pool import _rank
+from orchestrator.replicas.draft_pool import _rank
 
 
 class Fault:

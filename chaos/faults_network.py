@@ -26,7 +26,7 @@ from specdec.client import SpecdecClient
 LINK_LATENCY_MS = {"target": 30.0, "redis": 50.0}  # per chunk, in each direction
 PARTITION_S = 3.0             # a partition is held at least this long
 DROP_EVERY_S = 0.4            # dropped connections: every open connection is reset this often while the fault lasts
-STORE_TIMEOUT_S = 2.0         # the store client's socket timeout (orchestrator/session_store.py: RedisSessionStore)
+STORE_TIMEOUT_S = 2.0         # the store client's socket timeout (orchestrator/store/session_store.py: RedisSessionStore)
 RECONNECT_S = 1.0             # a gRPC channel's first reconnect backoff (a connect that failed waits this long)
 
 

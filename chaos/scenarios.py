@@ -25,8 +25,8 @@ from chaos.harness import ChaosHarness, ChaosOptions, _mismatches, _pct
 from chaos.load import Progress, RequestRecord, run_request
 from chaos.target_pool import POOL_FAULTS, options_for, pool_checks
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
-from orchestrator.draft_pool import _rank
-from orchestrator.session_store import KEY_PREFIX
+from orchestrator.replicas.draft_pool import _rank
+from orchestrator.store.session_store import KEY_PREFIX
 from specdec.client import SpecdecClient
 
 FAULTS = {**_FAULTS, **NETWORK_FAULTS}

@@ -9,7 +9,7 @@ import dataclasses
 from chaos.faults import Fault
 from chaos.harness import ChaosOptions
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
-from orchestrator.replica_pool import rank
+from orchestrator.replicas.pool import rank
 
 POOL_TARGETS = 2
 

@@ -3,7 +3,7 @@
 A draft proposes token by token, each step a forward over one row that streams every weight. Several sessions
 proposing at once would each stream the weights on their own, one after the other; here their steps meet in one
 forward over all their rows (the int8 draft's decoder stack takes rows of several sessions,
-specdec/models/csrc/int8_llama.cpp), as the target batches its verifies (target_service/engine.py VerifyBatcher).
+specdec/models/csrc/int8_llama.cpp), as the target batches its verifies (target_service/engines/batching.py VerifyBatcher).
 Measured with SmolLM2's int8 draft: one row ~14 ms, eight rows ~52 ms (an AVX2 CPU, float32 activations);
 with int16 activations on an AVX-512 VNNI AMD EPYC its layers take ~3.4 ms at one row, ~6.3 ms at eight.
 

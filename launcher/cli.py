@@ -254,7 +254,7 @@ def cmd_serve(args) -> int:
     elif args.service == "draft":
         from draft_service.server import serve
     else:
-        from orchestrator.server import serve
+        from orchestrator.api.server import serve
     from specdec.core.grpc_util import StartupError
 
     try:
@@ -419,7 +419,7 @@ def build_parser(with_services: bool = True) -> argparse.ArgumentParser:
     services = serve.add_subparsers(dest="service", required=True)
     if with_services:  # their modules import torch and transformers: seconds a client command need not wait
         from draft_service.server import add_arguments as draft_args
-        from orchestrator.server import add_arguments as orch_args
+        from orchestrator.api.server import add_arguments as orch_args
         from target_service.server import add_arguments as target_args
 
         target_args(services.add_parser("target", help="the target model service"))

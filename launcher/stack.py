@@ -140,7 +140,7 @@ class StackConfig:
     # The orchestrator admits max_sessions generations; each target keeps that many sessions' caches (a llama.cpp
     # target allocates a KV stream for each at start). Also read from orchestrator_args, where those win.
     max_sessions: int = ServerSettings.max_sessions
-    # Admission (orchestrator/admission.py): generations decoding at once (auto: what the targets cache and batch),
+    # Admission (orchestrator/policy/admission.py): generations decoding at once (auto: what the targets cache and batch),
     # the others wait in its queue up to queue_timeout_s. Also read from orchestrator_args, where those win.
     max_running: str = ServerSettings.max_running
     queue_timeout_s: float = ServerSettings.queue_timeout_s
@@ -341,7 +341,7 @@ class LocalStack:
         return args + (["--tree-budget", str(self.cfg.tree_budget)] if self.cfg.tree_budget else [])
 
     def _admission(self) -> list[str]:
-        """How many generations run at once and how long the others may wait (orchestrator/admission.py)."""
+        """How many generations run at once and how long the others may wait (orchestrator/policy/admission.py)."""
         return ["--max-running", str(self.cfg.max_running), "--queue-timeout-s", str(self.cfg.queue_timeout_s)]
 
     def target_sessions(self) -> int:

@@ -69,7 +69,7 @@ def _shingles(text: str, n: int = 8) -> set[str]:
 def overlapping_benchmark(prompts: list[str]) -> list[str]:
     """Training prompts sharing an 8-word run with a benchmark prompt: their replies stay out of the table, or
     the benchmark would draft from the target's answer to (nearly) its own question."""
-    from bench.prompts import PROMPTS
+    from specdec.eval_prompts import PROMPTS
 
     bench = set().union(*(_shingles(p.text) for p in PROMPTS))
     return [p for p in prompts if _shingles(p) & bench]

@@ -8,7 +8,7 @@ import math
 
 import grpc
 
-from orchestrator.prompts import chat_prompt_ids
+from orchestrator.api.prompts import chat_prompt_ids
 from specdec.v1 import orchestrator_pb2 as opb
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default

@@ -45,7 +45,7 @@ linears only), `SPECDEC_INT16_ACTIVATIONS=off` (the int8 draft multiplies float3
 def _service_parsers() -> list[tuple[str, str, argparse.ArgumentParser]]:
     """(heading, intro, parser) for each section, each parser built fresh from its add_arguments."""
     from draft_service.server import add_arguments as draft_args
-    from orchestrator.server import add_arguments as orchestrator_args
+    from orchestrator.api.server import add_arguments as orchestrator_args
     from launcher.cli import build_parser
     from target_service.server import add_arguments as target_args
 

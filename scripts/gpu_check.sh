@@ -37,7 +37,7 @@ timeout 240 "$PY" - "$OUT/identity.json" <<'EOF' || fail "CUDA greedy output dif
 import json, sys
 
 from bench.hf import hf_generate
-from bench.prompts import encode, select
+from specdec.eval_prompts import encode, select
 from specdec.models import load_model
 
 models = {d: load_model("smollm2", device=d, dtype="float32") for d in ("cpu", "cuda")}

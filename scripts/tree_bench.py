@@ -57,15 +57,15 @@ def load_pair(target_spec: str, draft_spec: str | None):
 def start(target, draft, cfg):
     from draft_service.proposers.model import ModelProposer
     from draft_service.server import build_server as build_draft_server
-    from orchestrator.clients import TargetClient
-    from orchestrator.draft_pool import DraftPool
-    from orchestrator.server import OrchestratorServicer
-    from orchestrator.server import build_server as build_orchestrator_server
-    from orchestrator.session_store import open_store
+    from orchestrator.replicas.clients import TargetClient
+    from orchestrator.replicas.draft_pool import DraftPool
+    from orchestrator.api.server import OrchestratorServicer
+    from orchestrator.api.server import build_server as build_orchestrator_server
+    from orchestrator.store.session_store import open_store
     from specdec.client import SpecdecClient
     from specdec.core.kv_cache import SessionCacheStore
     from specdec.v1 import common_pb2
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from target_service.server import build_server as build_target_server
 
     engine = TargetEngine(target, SessionCacheStore(), max_draft_len=64)
@@ -94,7 +94,7 @@ def prompts_for(target, n: int) -> list[list[int]]:
     if target.name == TINY_TARGET:
         return [[1, 5, 9, 12, 5, 9], [7, 7, 7, 30, 31, 32, 7, 7], list(range(1, 40, 3)), [2, 3, 5, 8, 13, 21],
                 [60, 1, 60, 2, 60, 3], [11, 22, 33, 44]][:n]
-    from bench.prompts import encode, select
+    from specdec.eval_prompts import encode, select
 
     return [encode(p, target.tokenizer, chat=True) for p in select(n)]
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 import time
 
 import grpc
 
-from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
-from specdec.core import settings, wire
-from specdec.core.grpc_util import RpcAbort, ServiceServer, add_tls_arguments, configure_tls, handle_errors, tls_from_args, require_session_id
+from specdec.core import wire
+from specdec.core.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.ops.service import add_service_arguments, prepare_process, run_until_signal
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engines import select as engines
 from target_service.engines.base import TargetBackend
@@ -168,25 +167,13 @@ def build_server(engine: TargetBackend, address: str, max_workers: int = 8,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`specdec serve target`'s flags: the fields of TargetSettings (target_service/settings.py)."""
-    settings.add_arguments(p, TargetSettings)
-    cpu_affinity.add_argument(p)
-    add_tls_arguments(p)
-    telemetry.add_metrics_argument(p)
+    add_service_arguments(p, TargetSettings)
 
 
 def serve(args: argparse.Namespace) -> None:
-    import torch
-
     if not 0.0 <= args.batch_wait_fraction <= 1.0:
         raise SystemExit(f"--batch-wait-fraction must be between 0 and 1, got {args.batch_wait_fraction}")
-    from specdec.core.security import require_mtls
-
-    require_mtls(args)  # before loading anything: an unauthenticated non-loopback listener is refused
-    cpus = cpu_affinity.apply_from_args(args)
-    telemetry.setup("specdec-target", metrics_port=args.metrics_port)
-    cpu_affinity.log_pinning(log, cpus, args.threads)
-    configure_tls(tls_from_args(args))
-    torch.set_num_threads(args.threads)
+    prepare_process(args, "specdec-target", log)
     engine = engines.build_engine(args)
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
@@ -197,13 +184,4 @@ def serve(args: argparse.Namespace) -> None:
     # sessions are never refused for want of threads.
     server = build_server(engine, args.listen, max_workers=args.max_sessions + 8,
                           inject_latency_ms=args.inject_latency_ms).start()
-    if args.inject_latency_ms > 0:
-        def _toggle(signum, frame):
-            s = server.servicer
-            s.latency_enabled = not s.latency_enabled
-            log.warning("injected latency toggled", extra={"enabled": s.latency_enabled,
-                                                           "delayed_calls": s.delayed_calls})
-
-        signal.signal(signal.SIGUSR1, _toggle)
-    telemetry.ready(server.address)
-    telemetry.wait_for_signal(server)
+    run_until_signal(server, log, lambda: {"delayed_calls": server.servicer.delayed_calls})

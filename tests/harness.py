@@ -11,16 +11,16 @@ from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import build_server as build_draft_server
 from orchestrator.settings import LoopConfig
-from orchestrator.local_draft import build_local_client, is_local
-from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
-from orchestrator.clients import TargetClient
-from orchestrator.draft_pool import DraftPool
-from orchestrator.session_store import open_store
+from orchestrator.replicas.local_draft import build_local_client, is_local
+from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
+from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.store.session_store import open_store
 from specdec.client import SpecdecClient
 from specdec.core.kv_cache import SessionCacheStore
 from specdec.models import load_model
 from specdec.v1 import common_pb2
-from target_service.engine import TargetEngine
+from target_service.engines.torch import TargetEngine
 from target_service.server import build_server as build_target_server
 
 # std=0.3 makes the random models' greedy output varied instead of one repeated token.
@@ -93,7 +93,7 @@ def make_proposer(spec: str, sessions: int = 64, vocab_size: int | None = None):
         loaded = load_model(spec.removeprefix("int8:"), device="cpu", dtype="float32", prepack="off")  # own copy
         store = SessionCacheStore(max_sessions=sessions)
         proposer, info = ModelProposer(loaded, store, int8_draft(loaded, store)), model_info(loaded, "quantized")
-        if proposer.kv_dims is not None:  # as draft_service.server.build_proposer: it takes the target's KV
+        if proposer.kv_dims is not None:  # as draft_service.build.build_proposer: it takes the target's KV
             info.kv_fingerprint = loaded.kv_fingerprint
         info.drafts_trees = proposer.drafts_trees
         return proposer, info
@@ -135,7 +135,7 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
         remote = iter(d.address for d in dservers)
         pool = DraftPool([spec if is_local(spec) else next(remote) for spec in specs],
                          local_client=lambda a: build_local_client(a, tl.tokenizer, tl.name, tl.vocab_size, "none"))
-        for replica in pool.replicas:  # as orchestrator.server.connect does
+        for replica in pool.replicas:  # as orchestrator.api.server.connect does
             replica.info = replica.client.info()
             check_compatible(target_info, replica.info)
     # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy. A fixed draft
@@ -151,7 +151,7 @@ def loop_state(rec=None, cfg: LoopConfig | None = None, vocab_size: int = 100, p
     """A session's loop state (orchestrator/loop/state.py) without services, for unit tests of the loop's parts;
     `measured`: Measurements fields."""
     from orchestrator.loop.state import Backends, LoopState, Measurements, StreamControl
-    from orchestrator.session_store import SessionRecord
+    from orchestrator.store.session_store import SessionRecord
 
     rec = rec if rec is not None else SessionRecord("s", [1, 2, 3], {})
     return LoopState(rec, cfg or LoopConfig(), Backends(None, pool, None, set(), vocab_size), Measurements(**measured),

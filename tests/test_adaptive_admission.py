@@ -1,4 +1,4 @@
-"""Admission follows the target's measured latency (orchestrator/admission.py AdaptiveLimit): while the target's
+"""Admission follows the target's measured latency (orchestrator/policy/admission.py AdaptiveLimit): while the target's
 calls come back close to their deadline it runs fewer generations at once, so admitted ones finish instead of all
 sharing a starved target until every call passes its deadline. The limiter alone on a synthetic latency feed, then
 a real stack whose target is slow."""
@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.admission import START_LIMIT, Admission, AdaptiveLimit
+from orchestrator.policy.admission import START_LIMIT, Admission, AdaptiveLimit
 from orchestrator.settings import LoopConfig
 from specdec import observability as telemetry
 from tests.harness import count_sessions_at_target, run_sampling, start_stack
@@ -129,7 +129,7 @@ def test_a_slow_target_runs_fewer_generations_instead_of_failing_them_all(redis_
 def test_the_admission_flag():
     import argparse
 
-    from orchestrator import server
+    from orchestrator.api import server
 
     p = argparse.ArgumentParser()
     server.add_arguments(p)

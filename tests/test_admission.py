@@ -1,4 +1,4 @@
-"""Admission control (orchestrator/admission.py): generations beyond --max-running wait in a FIFO queue instead of
+"""Admission control (orchestrator/policy/admission.py): generations beyond --max-running wait in a FIFO queue instead of
 all decoding at once; a wait past the queue timeout is RESOURCE_EXHAUSTED (HTTP 429); a cancelled waiter leaves.
 The queue alone, then real services (tiny models, real Redis) through the gRPC and HTTP APIs."""
 
@@ -10,14 +10,14 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from orchestrator.admission import Admission, QueueCancelled, QueueTimeout
+from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeout
 from orchestrator.http_api import HttpServer
-from orchestrator.target_pool import merge_infos
+from orchestrator.replicas.target_pool import merge_infos
 from specdec import observability as telemetry
 from specdec.v1 import common_pb2
 from specdec.core.kv_cache import SessionCacheStore
 from specdec.core.sampling import SamplingParams
-from target_service.engine import TargetEngine
+from target_service.engines.torch import TargetEngine
 from tests.harness import TARGET, count_sessions_at_target, model, run_sampling, start_stack
 
 PROMPTS = [[1, 5, 9, 12], [3, 3, 20, 21], [7, 2, 7, 2, 40], [11, 13, 17], [4, 8, 15, 16, 23], [30, 1, 30, 2]]
@@ -141,7 +141,7 @@ def test_pool_capacity_is_the_replicas_cached_and_batched_sessions():
         def __init__(self, info):
             self.info = info
 
-    from orchestrator.target_pool import TargetPool
+    from orchestrator.replicas.target_pool import TargetPool
 
     pool = TargetPool.__new__(TargetPool)
     pool.replicas = [Replica(a), Replica(b), Replica(None)]

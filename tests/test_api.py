@@ -5,7 +5,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.session_store import KEY_PREFIX, RedisSessionStore, SessionRecord
+from orchestrator.store.session_store import KEY_PREFIX, RedisSessionStore, SessionRecord
 from tests.harness import DRAFT_EARLY, start_stack
 
 PROMPT = [1, 5, 9, 12, 5, 9]

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.server import IncompatibleModels, check_compatible
+from orchestrator.api.server import IncompatibleModels, check_compatible
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.harness import DRAFT_EARLY, model, model_info, start_stack
 
@@ -146,7 +146,7 @@ def test_target_refuses_a_batch_wait_fraction_outside_0_to_1(fraction):
 def test_orchestrator_refuses_a_session_lease_out_of_range(lease):
     import argparse
 
-    from orchestrator import server
+    from orchestrator.api import server
 
     p = argparse.ArgumentParser()
     server.add_arguments(p)

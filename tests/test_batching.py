@@ -109,7 +109,7 @@ def _decode(engine, sid, ctx, n, temperature):
 def test_batched_decode_is_the_unbatched_decode():
     """A Decode through the batcher (single-token steps) returns the same tokens, cache length and random
     stream as the plain loop, greedy and sampled."""
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     loaded = model(TARGET)
     plain = TargetEngine(loaded, SessionCacheStore())
@@ -129,7 +129,7 @@ def test_batched_decode_is_the_unbatched_decode():
 
 
 def test_concurrent_decodes_share_forward_passes():
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     loaded = model(TARGET)
     plain = TargetEngine(loaded, SessionCacheStore())
@@ -242,7 +242,7 @@ def test_a_lone_session_does_not_wait_for_the_batch_window():
     (a 1 s window here: four waited-out steps would take over 4 s)."""
     import time
 
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
     t0 = time.monotonic()
@@ -255,7 +255,7 @@ def test_a_released_session_does_not_make_the_next_one_wait():
     release it counts as active for the batcher's ACTIVE_S and the next session waits the window (1 s here)."""
     import time
 
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
     _decode(engine, "first", [3, 9, 27], 2, 0.0)
@@ -274,7 +274,7 @@ def test_the_batch_closes_once_every_active_session_is_in():
     import threading
     import time
 
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     engine = TargetEngine(model(TARGET), SessionCacheStore(), batch_window_ms=1000)
     # Both sessions count as active from the start, as sessions already decoding do: the batcher learns of a
@@ -327,7 +327,8 @@ def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
     import time
 
     from specdec.core.sampling import SamplingParams
-    from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome
+    from target_service.engines.batching import VerifyBatcher
+    from target_service.engines.jobs import VerifyJob, VerifyOutcome
 
     class SlowEngine:
         def __init__(self):

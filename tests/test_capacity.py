@@ -1,5 +1,5 @@
 """Streams cannot starve the control RPCs: with every session slot streaming, Health, GetSession and CancelSession
-answer at once, and one session more is refused with RESOURCE_EXHAUSTED (orchestrator/server.py CONTROL_WORKERS)."""
+answer at once, and one session more is refused with RESOURCE_EXHAUSTED (orchestrator/api/server.py CONTROL_WORKERS)."""
 
 import threading
 import time

@@ -225,7 +225,7 @@ def test_store_commit_survives_a_lost_exec_reply(redis_server):
     the orchestrator's store retry (orchestrator/loop/stream.py: store_with_grace) must not store the block twice."""
     from chaos.redis_proxy import ExecReplyDroppingProxy
     from orchestrator.loop.stream import store_with_grace
-    from orchestrator.session_store import RedisSessionStore, SessionRecord
+    from orchestrator.store.session_store import RedisSessionStore, SessionRecord
     from orchestrator.settings import LoopConfig
     from tests.harness import loop_state
 

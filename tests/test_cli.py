@@ -32,7 +32,7 @@ def test_the_stack_and_the_cli_take_their_defaults_from_the_orchestrators_settin
     """One default per setting: `specdec serve orchestrator`, StackConfig and `specdec run|up` agree."""
     import argparse
 
-    from orchestrator import server
+    from orchestrator.api import server
     from orchestrator.settings import LoopConfig
 
     p = argparse.ArgumentParser()

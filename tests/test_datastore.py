@@ -5,7 +5,8 @@ import pytest
 
 from draft_service.proposers.datastore import NgramDatastore
 from draft_service.proposers.ngram import NgramProposer
-from draft_service.server import build_server, open_datastore
+from draft_service.build import open_datastore
+from draft_service.server import build_server
 from tests.harness import TARGET, model, start_stack
 
 
@@ -74,7 +75,7 @@ def test_greedy_speculation_with_a_datastore_equals_target_only(redis_url):
     dsrv = build_server(proposer, common_pb2.ModelInfo(model_name="ngram", strategy="ngram"), "127.0.0.1:0").start()
     s = start_stack(redis_url, draft=None)
     try:
-        from orchestrator.draft_pool import DraftPool
+        from orchestrator.replicas.draft_pool import DraftPool
 
         s.servicer.pool = DraftPool([dsrv.address])
         for prompt, ref in zip(prompts, refs):
@@ -107,7 +108,7 @@ def test_datastore_command_quick(tmp_path, capsys):
 
 
 def test_benchmark_prompts_stay_out_of_the_table():
-    from bench.prompts import PROMPTS
+    from specdec.eval_prompts import PROMPTS
     from offline.datastore_build import build_from_teacher_data, overlapping_benchmark
     from offline.distill import TeacherData
     import torch

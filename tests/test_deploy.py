@@ -140,7 +140,7 @@ class _Parser(argparse.ArgumentParser):
 
 def serve_parser() -> argparse.ArgumentParser:
     from draft_service.server import add_arguments as draft_args
-    from orchestrator.server import add_arguments as orch_args
+    from orchestrator.api.server import add_arguments as orch_args
     from target_service.server import add_arguments as target_args
 
     parser = _Parser(prog="specdec")
@@ -175,7 +175,7 @@ def parse_specdec(argv: list[str]) -> argparse.Namespace:
 
 
 def _port(address: str) -> int:
-    address = address.removeprefix("dns:///")  # every address the name resolves to (orchestrator/discovery.py)
+    address = address.removeprefix("dns:///")  # every address the name resolves to (orchestrator/replicas/discovery.py)
     host, _, port = address.rpartition(":")
     assert host and port.isdigit(), f"not host:port: {address!r}"
     return int(port)
@@ -258,7 +258,7 @@ def test_redis_persists_to_a_named_volume(compose):
     cmd = redis["command"]
     assert cmd[0] == "redis-server"
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
-    # Session data is never evicted: a full store refuses new sessions instead (orchestrator/session_store.py).
+    # Session data is never evicted: a full store refuses new sessions instead (orchestrator/store/session_store.py).
     assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
     mounts = {v.split(":")[1]: v.split(":")[0] for v in redis["volumes"]}
     assert mounts.get("/data") in compose["volumes"], "the append-only file must live in a named volume"
@@ -642,7 +642,7 @@ def test_dockerignore_sends_the_sources_and_nothing_else(name):
     ignore = DEPLOY / f"{name}.dockerignore"
     patterns = [ln.strip() for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     for path in ("pyproject.toml", "deploy/healthcheck.py", "launcher/cli.py", "specdec/v1/common_pb2.py",
-                 "target_service/server.py", "draft_service/server.py", "orchestrator/server.py",
+                 "target_service/server.py", "draft_service/server.py", "orchestrator/api/server.py",
                  "protos/specdec/v1/common.proto"):
         assert (ROOT / path).exists() and _dockerignore_includes(patterns, path), path
     for path in (".venv/bin/python", ".git/config", "tests/test_deploy.py", "specdec/__pycache__/cli.cpython-311.pyc",

@@ -8,16 +8,16 @@ import time
 
 import pytest
 
-from orchestrator.clients import TargetClient
-from orchestrator.discovery import Discovery, DnsName, parse_dns, resolve_getaddrinfo
-from orchestrator.draft_pool import OPEN, DraftPool
+from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.discovery import Discovery, DnsName, parse_dns, resolve_getaddrinfo
+from orchestrator.replicas.draft_pool import OPEN, DraftPool
 from orchestrator.settings import LoopConfig
-from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
-from orchestrator.session_store import open_store
+from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
+from orchestrator.store.session_store import open_store
 from specdec.client import SpecdecClient
 from specdec.core.kv_cache import SessionCacheStore
 from specdec.v1 import common_pb2
-from target_service.engine import TargetEngine
+from target_service.engines.torch import TargetEngine
 from target_service.server import build_server as build_target_server
 from tests.harness import DRAFT_SAME, TARGET, model, start_draft
 
@@ -191,7 +191,7 @@ def test_a_replica_failing_triggers_a_resolution_before_the_interval():
 def test_bad_resolve_interval_and_dns_address_flags_are_refused():
     import argparse
 
-    from orchestrator import server
+    from orchestrator.api import server
 
     p = argparse.ArgumentParser()
     server.add_arguments(p)
@@ -206,7 +206,7 @@ def test_with_tls_a_resolved_replica_is_checked_against_the_dns_name(tmp_path):
     against the name it was resolved from; a plain channel to the IP is refused."""
     import grpc
 
-    from orchestrator.clients import DraftClient
+    from orchestrator.replicas.clients import DraftClient
     from specdec.core import grpc_util
     from tests.test_tls import make_pki
 

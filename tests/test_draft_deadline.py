@@ -1,8 +1,8 @@
 """The orchestrator's deadline for a Propose call: scaled to the block it asks for and to a first call's prefill."""
 
-from orchestrator.draft_length import DraftCost
+from orchestrator.policy.draft_length import DraftCost
 from orchestrator.loop.draft_call import DraftCall
-from orchestrator.session_store import SessionRecord
+from orchestrator.store.session_store import SessionRecord
 from orchestrator.settings import LoopConfig
 from tests.harness import loop_state
 
@@ -35,7 +35,7 @@ def test_first_call_deadline_follows_the_measured_prefill_rate():
 def test_under_load_the_deadline_allows_what_a_target_only_token_costs_now():
     """A target-only token waits for a forward batched with the other sessions' blocks: a draft token is no help
     only when it is slower than that, not than a lone Decode step measured at a quiet time."""
-    from orchestrator.draft_length import TargetCost
+    from orchestrator.policy.draft_length import TargetCost
 
     cost = DraftCost()
     cost.observe(wall_ms=2002.0, draft_ms=2000.0, tokens=8, sessions=8)  # 250 ms a token per call, 8 sessions

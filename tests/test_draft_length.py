@@ -1,10 +1,10 @@
-"""The per-session draft-length policies (orchestrator/draft_length.py) and the target's forward-cost profile."""
+"""The per-session draft-length policies (orchestrator/policy/draft_length.py) and the target's forward-cost profile."""
 
 import math
 
 import pytest
 
-from orchestrator.draft_length import (AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost,
+from orchestrator.policy.draft_length import (AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost,
                                       expected_accepted_length, make_draft_length)
 
 FLAT_TO_6 = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # a CPU-like profile
@@ -159,7 +159,7 @@ def test_goodput_needs_a_profile_else_heuristic():
 
 def test_target_profile_is_measured_and_non_decreasing():
     from specdec.core.kv_cache import SessionCacheStore
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from tests.harness import TARGET, model
 
     engine = TargetEngine(model(TARGET), SessionCacheStore())
@@ -171,7 +171,7 @@ def test_target_profile_is_measured_and_non_decreasing():
 
 def test_a_short_run_of_rejections_does_not_pause_a_good_drafter():
     """The estimate is shrunk towards every session's acceptance: n-gram matches come in bursts."""
-    from orchestrator.draft_length import AcceptancePrior
+    from orchestrator.policy.draft_length import AcceptancePrior
 
     prior = AcceptancePrior()
     for _ in range(100):
@@ -201,7 +201,7 @@ def test_goodput_costs_a_block_as_part_of_a_batch():
 
 
 def test_profile_smoothing_does_not_carry_a_spike_to_every_larger_size():
-    from target_service.engine import _isotonic
+    from target_service.engines.profile import _isotonic
 
     assert _isotonic([60, 70, 200, 70]) == pytest.approx([60, 70, 135, 135])  # the violators pooled
     fitted = _isotonic([60, 70, 200, 70, 71, 72, 73, 74, 75, 76, 200, 210, 220])
@@ -213,7 +213,7 @@ def test_profile_shape_survives_a_slow_spell():
     """A shared machine's speed drifts (here every forward is 1x to 2x slower, varying over a dozen calls):
     the ratios between sizes stay intact, since each size is timed between two 1-token forwards. (The fastest
     of three runs per size, the previous method, is off by up to 30% here.)"""
-    from target_service.engine import measure_profile
+    from target_service.engines.profile import measure_profile
 
     true = {n: 60.0 + 4.0 * (n - 1) for n in range(1, 18)}
     calls = []
@@ -230,7 +230,7 @@ def test_profile_shape_survives_a_slow_spell():
 
 
 def test_draft_evidence_learns_what_each_order_of_magnitude_of_score_means():
-    from orchestrator.draft_length import DraftEvidence
+    from orchestrator.policy.draft_length import DraftEvidence
 
     ev = DraftEvidence()
     assert ev.acceptance(700.0) == 0.5  # nothing seen: Beta(1, 1)
@@ -245,7 +245,7 @@ def test_draft_evidence_learns_what_each_order_of_magnitude_of_score_means():
 
 
 def test_goodput_verifies_only_the_scored_prefix_that_pays():
-    from orchestrator.draft_length import DraftEvidence
+    from orchestrator.policy.draft_length import DraftEvidence
 
     ev = DraftEvidence()
     for _ in range(100):
@@ -267,7 +267,7 @@ def test_goodput_verifies_only_the_scored_prefix_that_pays():
 
 
 def test_draft_cost_is_shared_and_keeps_prefill_apart():
-    from orchestrator.draft_length import DraftCost
+    from orchestrator.policy.draft_length import DraftCost
 
     shared = DraftCost()
     first = GoodputDraftLength(16, TargetCost(FLAT_TO_6), draft_cost=shared)
@@ -282,7 +282,7 @@ def test_draft_cost_is_shared_and_keeps_prefill_apart():
 
 
 def test_draft_cost_measured_under_load_is_kept_per_session():
-    from orchestrator.draft_length import DraftCost
+    from orchestrator.policy.draft_length import DraftCost
 
     cost = DraftCost()
     cost.observe(wall_ms=482.0, draft_ms=480.0, tokens=4, sessions=8)  # 8 sessions share the draft: 120 ms a token
@@ -315,7 +315,7 @@ def test_a_session_decoding_target_only_still_waits_for_the_other_sessions_block
 def test_goodput_counts_the_drafting_a_prefetch_hides():
     """Pipelined, the next block is drafted while this one is verified: when the block is wholly accepted that
     drafting cost nothing, so a draft as slow as the target still pays."""
-    from orchestrator.draft_length import DraftCost
+    from orchestrator.policy.draft_length import DraftCost
 
     draft = DraftCost()
     draft.observe(wall_ms=242.0, draft_ms=240.0, tokens=4)  # 60 ms a token: as slow as a target step
@@ -334,7 +334,7 @@ def test_goodput_counts_the_drafting_a_prefetch_hides():
 
 def test_draft_cost_is_kept_per_session_count_where_measured():
     """A batching draft serves 8 sessions' steps in shared forwards: ~50 ms a token each, not 8 x 14."""
-    from orchestrator.draft_length import DraftCost
+    from orchestrator.policy.draft_length import DraftCost
 
     cost = DraftCost()
     cost.observe(wall_ms=58.0, draft_ms=56.0, tokens=4, sessions=1)  # 14 ms a token alone

@@ -8,13 +8,13 @@ import types
 
 import pytest
 
-from orchestrator.clients import DraftReply
-from orchestrator.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from orchestrator.replicas.clients import DraftReply
+from orchestrator.replicas.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed_probe(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("orchestrator.replica_pool.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("orchestrator.replicas.pool.time.monotonic", lambda: now[0])
     b = CircuitBreaker(open_s=1.0, max_open_s=3.0, failure_threshold=2)
     b.failure()
     assert b.state == CLOSED and b.allow()
@@ -40,7 +40,7 @@ def test_a_breaker_opened_by_timeouts_waits_out_its_back_off_though_health_check
     """A slow replica answers health checks: were they to end its back-off, a session would pay a draft deadline
     probing it at every check. Failures that health checks do see (unreachable) still end early."""
     now = [100.0]
-    monkeypatch.setattr("orchestrator.replica_pool.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("orchestrator.replicas.pool.time.monotonic", lambda: now[0])
     b = CircuitBreaker(open_s=1.0, failure_threshold=1)
     b.failure(health_blind=True)  # a timeout
     b.health_ok()
@@ -97,7 +97,7 @@ def _wait(cond, timeout: float = 5.0) -> bool:
 def test_health_checks_open_the_breaker_when_a_replica_goes_away(grace):
     """A stopped replica (killed: grace 0; graceful: it refuses new calls) fails the pool's next health check, which
     opens its breaker before any session calls it; a graceful stop has no stream of the pool's to wait out."""
-    from orchestrator.draft_pool import DraftPool
+    from orchestrator.replicas.draft_pool import DraftPool
     from tests.harness import start_draft
 
     server = start_draft("ngram")
@@ -122,7 +122,7 @@ def test_a_draft_server_watched_by_several_orchestrators_stops_promptly():
     thread so that a hang fails the test instead of holding it."""
     import threading
 
-    from orchestrator.draft_pool import DraftPool
+    from orchestrator.replicas.draft_pool import DraftPool
     from tests.harness import start_draft
 
     for attempt in range(4):

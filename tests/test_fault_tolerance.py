@@ -216,7 +216,7 @@ def test_target_restart_within_grace_period(redis_url):
 
             def restart():
                 time.sleep(1.0)
-                from target_service.engine import TargetEngine
+                from target_service.engines.torch import TargetEngine
 
                 stack.target_server = build_target_server(TargetEngine(model(TARGET)), addr).start()
 
@@ -250,7 +250,7 @@ def test_target_stopped_during_a_verify_is_waited_for_like_one_that_is_down(redi
                 assert in_verify.wait(10)
                 stack.target_server.stop(0)
                 time.sleep(0.5)
-                from target_service.engine import TargetEngine
+                from target_service.engines.torch import TargetEngine
 
                 stack.target_server = build_target_server(TargetEngine(model(TARGET)), addr).start()
 
@@ -266,7 +266,7 @@ def test_target_stopped_during_a_verify_is_waited_for_like_one_that_is_down(redi
 def test_a_cancelled_target_call_is_retried_within_the_grace_period_other_errors_are_not():
     """What a target call's error means: the target went away (UNAVAILABLE, DEADLINE_EXCEEDED, or CANCELLED when
     it stopped with the call in flight: CI saw that one end a generation) -> wait and retry; anything else fails."""
-    from orchestrator.local_draft import LocalRpcError
+    from orchestrator.replicas.local_draft import LocalRpcError
     from orchestrator.loop import GenerationError
     from orchestrator.loop.target_call import TargetCall
     from tests.harness import loop_state

@@ -138,7 +138,7 @@ def test_min_confidence_and_adaptive_length_keep_output(redis_url):
 def test_goodput_draft_length_keeps_output_and_follows_acceptance(redis_url, draft):
     """The goodput policy (the target's measured forward profile) changes only how much is drafted."""
     from orchestrator.settings import LoopConfig
-    from orchestrator.outline import build_outline
+    from orchestrator.api.outline import build_outline
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)
     s = start_stack(redis_url, draft=draft, cfg=cfg, forward_ms="measure")
@@ -190,7 +190,7 @@ def test_scored_ngram_drafts_are_trimmed_and_output_unchanged(redis_url, draft):
     changes what is verified, never the output."""
     from orchestrator.settings import LoopConfig
 
-    from orchestrator.outline import build_outline
+    from orchestrator.api.outline import build_outline
     from specdec import observability as telemetry
 
     cfg = LoopConfig(default_draft_len=4, adaptive_draft_len=True, draft_timeout_floor_ms=5000)

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from orchestrator.http_api import SESSION_HEADER, HttpServer
-from orchestrator.server import principal_of
-from orchestrator.session_store import open_store
+from orchestrator.api.server import principal_of
+from orchestrator.store.session_store import open_store
 from tests.harness import DRAFT_EARLY, TARGET, start_stack
 
 PROMPT_IDS = [1, 5, 9, 12, 5, 9]
@@ -342,7 +342,7 @@ def test_a_dropped_stream_resumes_from_token_n(stack, client):
 
 def test_a_session_resumes_on_a_restarted_orchestrator(stack, redis_url):
     """The session lives in Redis: a new orchestrator (servicer + HTTP server) on the same store goes on with it."""
-    from orchestrator.server import OrchestratorServicer
+    from orchestrator.api.server import OrchestratorServicer
 
     reference = stack.client.generate(PROMPT_IDS, max_new_tokens=30, ignore_eos=True, speculation=False)
     first = httpx.post(stack.http.url + "/v1/completions", json={
@@ -378,7 +378,7 @@ def test_models_health_and_metrics(stack, client):
 
 
 def test_health_is_503_when_the_target_is_unreachable(stack, monkeypatch):
-    from orchestrator.clients import TargetClient
+    from orchestrator.replicas.clients import TargetClient
 
     monkeypatch.setattr(stack.servicer, "target", TargetClient("127.0.0.1:1"))
     health = httpx.get(stack.http.url + "/health", timeout=30)

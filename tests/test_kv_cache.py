@@ -102,7 +102,7 @@ def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile(windo
     call still decodes from the tokens it prefilled (it holds its session, batched steps too) instead of failing
     with a cache-miss."""
     from specdec.core.sampling import SamplingParams
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     engine = TargetEngine(model(TARGET), SessionCacheStore(max_sessions=1), batch_window_ms=window_ms)
     greedy = SamplingParams(temperature=0.0)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from draft_service.int8_draft import int8_draft
-from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.replicas.clients import DraftClient, TargetClient
 from specdec.core import wire
 from specdec.core.kv_cache import SessionCacheStore, SessionKV
 from specdec.models import load_model, weights_fingerprint
 from specdec.core.sampling import SamplingParams
-from target_service.engine import TargetEngine
+from target_service.engines.torch import TargetEngine
 from target_service.server import TargetServicer, build_server as build_target_server
 from tests.harness import DRAFT_EARLY, INT8_SELF, TARGET, model, start_draft, start_stack
 

@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from orchestrator.clients import TargetClient
+from orchestrator.replicas.clients import TargetClient
 from specdec.core import sampling
 from specdec.models import smollm2_gguf_path
 from specdec.core.sampling import SamplingParams
-from target_service.engine import VerifyJob
+from target_service.engines.jobs import VerifyJob
 from tests.harness import start_stack
 from tests.stats import chi_square_test, draws
 
@@ -318,7 +318,7 @@ def test_engine_choice():
 def test_serve_target_arguments_build_the_chosen_engine():
     import argparse
 
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from target_service.engines.select import build_engine
     from target_service.server import add_arguments
 
@@ -406,7 +406,7 @@ def test_the_engines_forward_profile_drives_the_goodput_draft_length(engine):
     """The profile the llama.cpp engine reports in GetInfo is what the orchestrator's goodput policy chooses k
     from: it grows with the block (llama.cpp's CPU kernels are compute-bound), so a poorly accepted drafter gets
     k = 0 (target-only) and a nearly always accepted one still drafts."""
-    from orchestrator.draft_length import GoodputDraftLength, TargetCost
+    from orchestrator.policy.draft_length import GoodputDraftLength, TargetCost
 
     profile = engine.profile_forward_ms(5)
     assert len(profile) == 5 and profile[0] > 0
@@ -477,7 +477,7 @@ def test_a_prompt_batched_with_others_is_computed_as_it_is_alone():
     prompt cut in two ends with logits up to 0.9 away): a prompt sharing a batch with other sessions' prompts past
     the batch size must not be cut where it would not be alone."""
     import numpy as np
-    from bench.prompts import PROMPTS as BENCH_PROMPTS
+    from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
 
     small = make_engine(max_sessions=5)
     try:

@@ -1,5 +1,5 @@
 """A session whose llama.cpp cache is lost (evicted, or its target replica gone) is resynced: the orchestrator resends
-the committed context from position 0 (orchestrator/clients.py, _call_with_resync) and the target prefills it as
+the committed context from position 0 (orchestrator/replicas/clients.py, _call_with_resync) and the target prefills it as
 one group. llama.cpp's CPU numerics depend on how many of a sequence's rows one llama_decode computes, so the
 engine feeds a long group in pieces of SPLIT_SAFE_ROWS rows, whose results equal feeding the rows one by one
 (target_service/engines/llamacpp.py, _chunk_bounds). These tests decode greedily uninterrupted and again with the
@@ -95,7 +95,7 @@ def engines():
 @pytest.mark.parametrize("kind, new_tokens, evict_at, move_at", CASES)
 def test_a_resynced_session_decodes_bitwise_as_the_uninterrupted_one(engines, monkeypatch, kind, new_tokens,
                                                                      evict_at, move_at):
-    from bench.prompts import PROMPTS
+    from specdec.eval_prompts import PROMPTS
 
     prompt = prompt_ids(engines[0], next(p.text for p in PROMPTS if p.kind == kind))
     spy = Spy(monkeypatch, *engines)

@@ -1,4 +1,4 @@
-"""`--draft local:ngram`: the n-gram drafter inside the orchestrator (orchestrator/local_draft.py).
+"""`--draft local:ngram`: the n-gram drafter inside the orchestrator (orchestrator/replicas/local_draft.py).
 
 Greedy identity with target-only decoding is covered with every other drafter in tests/test_greedy_equivalence.py
 (plain and pipelined); here: it really drafts in process, the orchestrator's start-up wires it, bad addresses
@@ -7,8 +7,8 @@ are clear errors, and it serves next to remote replicas in one pool."""
 import grpc
 import pytest
 
-from orchestrator.draft_pool import LocalDraftReplica
-from orchestrator.local_draft import LocalRpcError, build_local_client
+from orchestrator.replicas.draft_pool import LocalDraftReplica
+from orchestrator.replicas.local_draft import LocalRpcError, build_local_client
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
 
 PROMPT = [1, 5, 9, 12, 5, 9, 12, 5, 9]
@@ -64,9 +64,9 @@ def test_local_errors_carry_grpc_codes():
 
 def test_orchestrator_start_up_builds_the_local_drafter(redis_url):
     from orchestrator.settings import LoopConfig
-    from orchestrator.server import build_servicer
+    from orchestrator.api.server import build_servicer
     from specdec.core.kv_cache import SessionCacheStore
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from target_service.server import build_server as build_target_server
 
     target = build_target_server(TargetEngine(model(TARGET), SessionCacheStore()), "127.0.0.1:0").start()
@@ -86,7 +86,7 @@ def test_orchestrator_start_up_builds_the_local_drafter(redis_url):
 def test_dry_n_gram_steps_decode_more_tokens_per_call(redis_url, monkeypatch):
     """While the drafter proposes nothing, the target decodes 1, 2, then --fallback-chunk tokens a call instead of
     one Decode round trip per token; greedy output stays target-only's."""
-    from orchestrator.clients import TargetClient
+    from orchestrator.replicas.clients import TargetClient
 
     asked = []
     decode = TargetClient.decode

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from orchestrator.outline import build_outline
+from orchestrator.api.outline import build_outline
 from specdec.ops import stats_cli
 from specdec import observability as telemetry
 from specdec.v1 import orchestrator_pb2 as opb
@@ -273,7 +273,7 @@ def test_the_outlines_speedup_estimate_costs_a_drafted_token_not_a_whole_draft_c
     20 ms Verify: with the Verify as the target step, c = 0.1 and (1 - a^5) / ((1 - a)(4c + 1)) = 5 / 1.4.
     Costing the whole call as one drafted token (c = 0.4, as the outline once did) would estimate 5 / 2.6. With a
     profiled 10 ms target step, c = 0.2 and the Verify costs 2 steps: 5 / 2.8."""
-    from orchestrator.outline import estimate_speedup
+    from orchestrator.api.outline import estimate_speedup
 
     acceptance = {"value": 1.0, "stepsObserved": 10, "draftTokensProposed": 40}
     measured = {"draftRoundTripMs": 8.0, "verifyRoundTripMs": 20.0}

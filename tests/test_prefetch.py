@@ -8,7 +8,7 @@ import types
 import grpc
 
 from orchestrator.loop.prefetch import PendingPrefetch, Prefetcher
-from orchestrator.session_store import SessionRecord
+from orchestrator.store.session_store import SessionRecord
 from tests.harness import loop_state
 
 

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from orchestrator.settings import LoopConfig
-from orchestrator.session_store import SessionRecord, StoreUnavailable, open_store
-from orchestrator.store_client import StoreUrlError, connect
+from orchestrator.store.session_store import SessionRecord, StoreUnavailable, open_store
+from orchestrator.store.client import StoreUrlError, connect
 from specdec.ops.redis_server import RedisServer, free_port, redis_server_binary
 from tests.harness import DRAFT_EARLY, start_stack
 

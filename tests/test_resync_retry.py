@@ -4,7 +4,7 @@ the session through that call); any other error, or a miss of the resend, goes t
 import grpc
 import pytest
 
-from orchestrator.clients import _call_with_resync
+from orchestrator.replicas.clients import _call_with_resync
 
 
 class Refused(grpc.RpcError):

@@ -113,7 +113,7 @@ def test_broken_verifier_fails_the_test(stack, expected, monkeypatch):
         probs = sampling.warp_probs(target_logits[-1], params)
         return sampling.VerifyResult(len(draft_tokens), int(sampling.sample(probs, generator)))
 
-    monkeypatch.setattr("target_service.engine.sampling.verify", accept_all)
+    monkeypatch.setattr("target_service.engines.torch.sampling.verify", accept_all)
     samples, _ = draw(stack, N_BROKEN_SAMPLES)
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken verifier passed the distribution test (p={p_value:.3f})"
@@ -164,7 +164,7 @@ def test_goodput_draft_length_sampling_matches_target_distribution(redis_url, ex
     measured a draft so slow that it paused drafting on 697 of 712 steps): the target's costs are its profile,
     and the draft's per-token cost cycles through cheap to prohibitive, so the real policy drafts long, short
     and not at all, step by step, on any machine."""
-    from orchestrator.draft_length import DraftCost, GoodputDraftLength, TargetCost
+    from orchestrator.policy.draft_length import DraftCost, GoodputDraftLength, TargetCost
     from orchestrator.settings import LoopConfig
 
     for cls, names in ((TargetCost, ("observe", "observe_step")),

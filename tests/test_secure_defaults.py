@@ -380,7 +380,7 @@ def test_healthcheck_speaks_mutual_tls_from_the_environment(tmp_path, monkeypatc
 
 
 def test_store_url_carries_the_password_without_showing_it(tmp_path):
-    from orchestrator.session_store import StoreUnavailable, open_store
+    from orchestrator.store.session_store import StoreUnavailable, open_store
     from specdec.ops.redis_server import RedisServer
 
     password = "s3cret/with:odd@chars"

@@ -1,4 +1,4 @@
-"""A session has one writer across orchestrator processes: the Redis lease (orchestrator/session_store.py).
+"""A session has one writer across orchestrator processes: the Redis lease (orchestrator/store/session_store.py).
 
 Two orchestrators on one Redis (two stacks, as two replicas behind a load balancer would be): a resume of a
 session that is streaming elsewhere is refused, a stream whose lease was taken stops without writing, a crashed
@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.session_store import KEY_PREFIX, LeaseLost, MemorySessionStore, RedisSessionStore, SessionRecord
+from orchestrator.store.session_store import KEY_PREFIX, LeaseLost, MemorySessionStore, RedisSessionStore, SessionRecord
 from specdec.v1 import orchestrator_pb2 as opb
 from tests.harness import DRAFT_EARLY as DRAFT, TARGET, start_stack
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import types
 
-from orchestrator.clients import DecodeReply, DraftReply, VerifyReply
-from orchestrator.draft_length import GoodputDraftLength, TargetCost
+from orchestrator.replicas.clients import DecodeReply, DraftReply, VerifyReply
+from orchestrator.policy.draft_length import GoodputDraftLength, TargetCost
 from orchestrator.loop.state import Backends, LoopState, Measurements, StreamControl
 from orchestrator.loop.step import Step
-from orchestrator.session_store import SessionRecord
+from orchestrator.store.session_store import SessionRecord
 from orchestrator.settings import LoopConfig
 
 FLAT = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # drafting pays

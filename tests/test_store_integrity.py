@@ -1,5 +1,5 @@
 """What the session store refuses to write: a block after the store lost the session (or some of its tokens), a
-block from a stream that another one fenced out, and a new session when Redis is full (orchestrator/session_store.py).
+block from a stream that another one fenced out, and a new session when Redis is full (orchestrator/store/session_store.py).
 
 Each refusal ends the stream with its own status: DATA_LOSS (what was lost, never a hole or INTERNAL), ABORTED (a
 stale writer), RESOURCE_EXHAUSTED (a full store, while running sessions finish).
@@ -12,7 +12,7 @@ import grpc
 import pytest
 import redis
 
-from orchestrator.session_store import (KEY_PREFIX, LeaseLost, MemorySessionStore, RedisSessionStore, SessionLost,
+from orchestrator.store.session_store import (KEY_PREFIX, LeaseLost, MemorySessionStore, RedisSessionStore, SessionLost,
                                         SessionRecord)
 from specdec.ops.redis_server import RedisServer
 from specdec.v1 import orchestrator_pb2 as opb

@@ -195,3 +195,65 @@ def test_shared_package_does_not_import_services():
     }
     upward = {k: v for k, v in upward.items() if v}
     assert not upward, f"specdec imports services/bench/chaos: {upward}"
+
+
+MAX_ORCHESTRATOR_TOP = 10  # modules directly in orchestrator/ (its __init__ included); the rest live in rooms
+
+
+def test_orchestrator_lives_in_rooms():
+    top = sorted(p.name for p in (ROOT / "orchestrator").glob("*.py"))
+    assert len(top) <= MAX_ORCHESTRATOR_TOP, f"{len(top)} modules at the top of orchestrator/ (give them a room): {top}"
+
+
+def test_every_room_has_a_map():
+    """Each package of the orchestrator and the target's engines names its modules in its __init__ docstring."""
+    for room in [*(ROOT / "orchestrator").glob("*/__init__.py"), ROOT / "target_service/engines/__init__.py"]:
+        doc = ast.get_docstring(ast.parse(room.read_text())) or ""
+        modules = sorted(p.name for p in room.parent.glob("*.py") if p.name != "__init__.py")
+        unnamed = [m for m in modules if m not in doc]
+        assert not unnamed, f"{room.relative_to(ROOT)}'s map does not name {unnamed}"
+
+
+def _layer_violations(graph: dict[str, set[str]], importer: str, forbidden) -> dict[str, list[str]]:
+    out = {name: sorted(d for d in deps if forbidden(d))
+           for name, deps in graph.items() if name == importer or name.startswith(importer + ".")}
+    return {k: v for k, v in out.items() if v}
+
+
+def test_offline_tools_do_not_import_the_benchmark():
+    """offline/ runs before serving, the benchmark after: what both need (the prompt set) lives in specdec/."""
+    bad = _layer_violations(import_graph(), "offline", lambda d: d == "bench" or d.startswith("bench."))
+    assert not bad, f"offline/ imports bench/: {bad}"
+
+
+def test_orchestrator_does_not_import_a_service_server():
+    """A service's server module is its process (flags, serve()); the orchestrator's in-process drafter takes the
+    draft's servicer and proposer builder (draft_service/servicer.py, build.py), never its server."""
+    servers = {f"{pkg}.server" for pkg in ("draft_service", "target_service")}
+    bad = _layer_violations(import_graph(), "orchestrator", lambda d: d in servers)
+    assert not bad, f"orchestrator/ imports a service's server module: {bad}"
+
+
+def _reexported(init: pathlib.Path) -> set[str]:
+    """The names a package's __init__ binds by importing them (its re-exports)."""
+    tree = ast.parse(init.read_text(), str(init))
+    return {(a.asname or a.name).split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            for a in node.names}
+
+
+def _names_through_own_package(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> list[str]:
+    """`from pkg import x` inside pkg (or below it) where pkg's __init__ imports (re-exports) its submodules: the
+    __init__ is still being initialised when they load (a cycle through it), so a sibling is imported by its own
+    path (`from pkg.sibling import x`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module and name.startswith(node.module + "."):
+            again = _reexported(mods[node.module]) if node.module in mods else set()
+            found += [f"{node.module}.{a.name}" for a in node.names] if again else []
+    return found
+
+
+def test_submodules_import_their_siblings_directly():
+    mods = _sources()
+    bad = {name: found for name, path in mods.items() if (found := _names_through_own_package(name, path, mods))}
+    assert not bad, f"names taken from the package's own __init__ (import the sibling module instead): {bad}"

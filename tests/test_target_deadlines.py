@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from specdec.core.grpc_util import _CALL_DEADLINE, call_deadline, handle_errors
-from target_service.engine import TargetEngine, VerifyBatcher, VerifyJob, VerifyOutcome
+from target_service.engines.batching import VerifyBatcher
+from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.torch import TargetEngine
 from specdec.core.sampling import SamplingParams
 from tests.harness import TARGET, model
 

@@ -1,4 +1,4 @@
-"""Target replicas as a pool (orchestrator/target_pool.py): each session placed on one replica (rendezvous affinity,
+"""Target replicas as a pool (orchestrator/replicas/target_pool.py): each session placed on one replica (rendezvous affinity,
 bounded load, breakers), moved at once to another when its replica fails, and the output unchanged."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from orchestrator.replica_pool import OPEN, rank
-from orchestrator.target_pool import (LOAD_SLACK, IncompatibleTargets, TargetPool, merge_infos, model_mismatch)
+from orchestrator.replicas.pool import OPEN, rank
+from orchestrator.replicas.target_pool import (LOAD_SLACK, IncompatibleTargets, TargetPool, merge_infos, model_mismatch)
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2
 
@@ -110,12 +110,12 @@ def test_replicas_must_serve_the_same_model_and_the_pool_takes_the_strictest_lim
 
 
 def test_an_orchestrator_refuses_targets_of_different_models_at_start(redis_url):
-    from orchestrator.server import build_servicer
+    from orchestrator.api.server import build_servicer
     from orchestrator.settings import LoopConfig
     from specdec.core.grpc_util import StartupError
     from tests.harness import model
     from specdec.core.kv_cache import SessionCacheStore
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from target_service.server import build_server
 
     other = "tiny:vocab=64,layers=1,hidden=32,seed=1,std=0.3"
@@ -201,11 +201,11 @@ def test_up_with_two_targets_reports_both_and_a_generation_whose_target_is_kille
 def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_moves(redis_url):
     """dns:///NAME:PORT for targets: real target services on two loopback addresses behind a fake resolver;
     one appearing is used, one disappearing loses its sessions to the other, mid-generation, tokens unchanged."""
-    from orchestrator.server import OrchestratorServicer, build_server as build_orchestrator_server
-    from orchestrator.session_store import open_store
+    from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server
+    from orchestrator.store.session_store import open_store
     from orchestrator.settings import LoopConfig
     from specdec.core.kv_cache import SessionCacheStore
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
     from target_service.server import build_server as build_target_server
     from tests.harness import model
     from tests.test_discovery import FakeDns, wait_until
@@ -268,8 +268,8 @@ def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_move
 def test_bad_target_addresses_are_refused_with_a_reason():
     import argparse
 
-    from orchestrator import server
-    from orchestrator.target_pool import open_targets
+    from orchestrator.api import server
+    from orchestrator.replicas.target_pool import open_targets
 
     p = argparse.ArgumentParser()
     server.add_arguments(p)

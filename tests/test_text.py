@@ -1,10 +1,10 @@
-"""Incremental detokenisation (orchestrator/text.py) equals decoding the whole sequence at every step."""
+"""Incremental detokenisation (orchestrator/loop/text.py) equals decoding the whole sequence at every step."""
 
 import random
 
 import pytest
 
-from orchestrator.text import TextTracker
+from orchestrator.loop.text import TextTracker
 from specdec.models import load_tokenizer
 
 SAMPLE = ("Speculative decoding: a draft proposes, the target verifies. Ça marche très bien — even for 中文文本, "

@@ -228,7 +228,7 @@ def test_tree_verify_through_the_batcher_with_concurrent_sessions(redis_url):
 def test_tree_flags_reach_the_loop_config():
     import argparse
 
-    from orchestrator import server
+    from orchestrator.api import server
 
     p = argparse.ArgumentParser()
     server.add_arguments(p)
@@ -262,7 +262,7 @@ def test_a_draft_that_drafts_chains_only_says_so_and_answers_tree_requests_with_
 
 
 def test_the_outline_names_a_draft_that_drafts_chains_only(redis_url):
-    from orchestrator.outline import build_outline
+    from orchestrator.api.outline import build_outline
 
     s = start_stack(redis_url, draft=INT8_SELF, cfg=tree_cfg(4))
     try:

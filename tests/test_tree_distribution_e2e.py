@@ -36,7 +36,7 @@ def test_tree_speculative_sampling_matches_target_distribution(tree_stack, expec
         later_sibling[0] += any(node != sibs[0] for node, sibs in zip(res.path, kids))
         return res
 
-    monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
+    monkeypatch.setattr("target_service.engines.torch_tree.sampling.verify_tree", spy)
     samples, acceptance = draw(tree_stack, N_PATH_SAMPLES)
     assert 0.05 < acceptance < 0.95, "the tree must be accepted sometimes and rejected sometimes"
     assert later_sibling[0] > N_PATH_SAMPLES // 20, "second siblings must get accepted for this to test anything"
@@ -46,7 +46,7 @@ def test_tree_speculative_sampling_matches_target_distribution(tree_stack, expec
 
 def test_broken_tree_verifier_fails_the_test(tree_stack, expected, monkeypatch):  # noqa: F811
     """Testing every sibling against the original p (no residual update) is biased: the test must catch it."""
-    monkeypatch.setattr("target_service.tree.sampling.verify_tree", broken_no_residual_update)
+    monkeypatch.setattr("target_service.engines.torch_tree.sampling.verify_tree", broken_no_residual_update)
     samples, _ = draw(tree_stack, draws(600))  # p = 3e-9 at 600 draws, measured once
     _, p_value = chi_square_test(samples, expected)
     assert p_value < ALPHA, f"a broken tree verifier passed the distribution test (p={p_value:.3f})"
@@ -75,7 +75,7 @@ def test_ngram_tree_sampling_matches_target_distribution(redis_url, monkeypatch)
         seen["later_sibling"] += any(node != sibs[0] for node, sibs in zip(res.path, kids))
         return res
 
-    monkeypatch.setattr("target_service.tree.sampling.verify_tree", spy)
+    monkeypatch.setattr("target_service.engines.torch_tree.sampling.verify_tree", spy)
     n = draws(700)  # more than the broken tree verifier test needs to reject a biased verifier (600)
     s = start_stack(redis_url, target=TARGET, draft="ngram", cfg=LoopConfig(tree_budget=6, draft_timeout_floor_ms=5000))
     try:

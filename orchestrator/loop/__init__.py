@@ -10,6 +10,7 @@
     accounting.py  what a verify or a decode counts (stats, acceptance window, metrics, draft length)
     validate.py    the one check of a draft's reply
     stream.py      the stepper thread, stop conditions, store-then-send
+    text.py        incremental detokenisation and stop strings: the text a client may see
     state.py       what the parts share
 """
 

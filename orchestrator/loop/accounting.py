@@ -4,7 +4,7 @@ tells the draft-length policy and the target-step timer. Chains and trees both r
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.draft_length import AdaptiveLength
+from orchestrator.policy.draft_length import AdaptiveLength
 from orchestrator.loop.state import LoopState
 from specdec import observability as telemetry
 

@@ -8,7 +8,7 @@ import time
 import grpc
 
 from orchestrator import metrics
-from orchestrator.draft_length import AdaptiveLength
+from orchestrator.policy.draft_length import AdaptiveLength
 from orchestrator.loop.state import LoopState, StepTimer
 from orchestrator.loop.validate import draft_reply_problem
 from specdec import observability as telemetry

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from orchestrator.loop.state import Backends, Chunk, LoopState, Measurements, StreamControl
 from orchestrator.loop.step import Step
 from orchestrator.loop.stream import Stream
-from orchestrator.records import COUNTERS, TIMERS
-from orchestrator.session_store import SessionRecord
+from orchestrator.store.records import COUNTERS, TIMERS
+from orchestrator.store.session_store import SessionRecord
 from orchestrator.settings import LoopConfig
-from orchestrator.text import TextTracker
+from orchestrator.loop.text import TextTracker
 from specdec.v1 import orchestrator_pb2 as opb
 
 

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from orchestrator.local_draft import is_local
+from orchestrator.replicas.local_draft import is_local
 from orchestrator.loop.state import LoopState
 from specdec import observability as telemetry
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.clients import DraftReply
+from orchestrator.replicas.clients import DraftReply
 from orchestrator.loop.draft_call import DraftCall, replica_limit, stoppable
 from orchestrator.loop.state import LoopState
 from orchestrator.loop.validate import draft_reply_problem

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, Ema, TargetCost
-from orchestrator.draft_pool import DraftPool
-from orchestrator.session_store import SessionRecord
-from orchestrator.target_pool import TargetPool
+from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, Ema, TargetCost
+from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.store.session_store import SessionRecord
+from orchestrator.replicas.target_pool import TargetPool
 from orchestrator.settings import LoopConfig
 from specdec.core.sampling import SamplingParams
 from specdec.v1 import orchestrator_pb2 as opb

@@ -10,7 +10,7 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.draft_length import dry_step_tokens, make_draft_length
+from orchestrator.policy.draft_length import dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
 from orchestrator.loop.draft_call import DraftCall, replica_limit
 from orchestrator.loop.handover import PromptHandover

@@ -22,8 +22,8 @@ from orchestrator import metrics
 from orchestrator.loop.state import (FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Chunk, GenerationError,
                                      LoopState)
 from orchestrator.loop.step import Step
-from orchestrator.session_store import LeaseLost, SessionRecord, StoreUnavailable
-from orchestrator.text import TextTracker
+from orchestrator.store.session_store import LeaseLost, SessionRecord, StoreUnavailable
+from orchestrator.loop.text import TextTracker
 from specdec import observability as telemetry
 
 log = logging.getLogger("specdec.orchestrator")

@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.models import cpu_kernels
-from specdec.models import ragged_batch
+from specdec.models.cpu_kernels import MIN_PACKED_ELEMENTS, prepack_linears, should_prepack
+from specdec.models.ragged_batch import enable as enable_ragged_batch
 from specdec.models.cache import (DRAFT_DIRNAME, SMOLLM2_ALIASES, distilled_draft_dir, ensure_smollm2,
                                   smollm2_cached_dir, smollm2_gguf_path)
 from specdec.models.tiny import _is_tiny, build_tiny, parse_tiny_spec, tiny_tokenizer
@@ -253,7 +253,7 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: str = "auto",
-               prepack_min_elements: int = cpu_kernels.MIN_PACKED_ELEMENTS, ragged: bool = True) -> LoadedModel:
+               prepack_min_elements: int = MIN_PACKED_ELEMENTS, ragged: bool = True) -> LoadedModel:
     """prepack: auto | on | off: fast CPU linear layers, native few-row GEMM and oneDNN-prepacked weights
     (specdec/models/cpu_kernels.py).
     ragged: batched forwards attend per session cache where the architecture allows (specdec/models/ragged_batch.py);
@@ -309,8 +309,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
         vocab_size = int(model.config.vocab_size)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or tok.model_max_length)
     kv_fingerprint = weights_fingerprint(model)
-    packed = cpu_kernels.prepack_linears(model, prepack_min_elements) if cpu_kernels.should_prepack(prepack, dev) else 0
-    ragged = ragged_batch.enable(model) if ragged else False
+    packed = prepack_linears(model, prepack_min_elements) if should_prepack(prepack, dev) else 0
+    ragged = enable_ragged_batch(model) if ragged else False
 
     loaded = LoadedModel(
         model=model,

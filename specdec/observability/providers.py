@@ -10,7 +10,7 @@ import threading
 
 from opentelemetry import metrics, trace
 
-from specdec.observability import logs
+from specdec.observability.logs import configure as configure_logs, service_name as default_service_name
 
 log = logging.getLogger("specdec.observability")
 
@@ -28,7 +28,7 @@ def setup(service_name: str, level: str | None = None, metrics_port: int | str |
     """JSON logs on stderr; SDK trace and meter providers (OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT
     is set); a Prometheus /metrics endpoint when ``metrics_port`` or env SPECDEC_METRICS_PORT is given
     (``PORT`` or ``HOST:PORT``; host defaults to SPECDEC_METRICS_HOST or 127.0.0.1)."""
-    logs.configure(service_name, level, configure_logging)
+    configure_logs(service_name, level, configure_logging)
     ensure_providers(service_name)
     if metrics_port is None:
         metrics_port = os.environ.get("SPECDEC_METRICS_PORT") or None
@@ -74,7 +74,7 @@ def ensure_providers(service_name: str | None = None) -> None:
         import socket
 
         # OTEL_SERVICE_NAME wins (e.g. to tell deployments apart); the instance id tells replicas apart.
-        name = os.environ.get("OTEL_SERVICE_NAME") or service_name or logs.service_name()
+        name = os.environ.get("OTEL_SERVICE_NAME") or service_name or default_service_name()
         resource = Resource.create({"service.name": name, "service.namespace": "specdec",
                                     "service.instance.id": f"{socket.gethostname()}-{os.getpid()}"})
         otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))

@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-from specdec.observability import providers
+from specdec.observability.providers import force_flush
 
 
 def ready(address: str) -> None:
@@ -28,5 +28,5 @@ def wait_for_signal(server, grace: float = 2.0) -> None:
         stop.wait(0.5)
     logging.getLogger("specdec").info("shutting down")
     server.stop(grace)
-    providers.force_flush(2000)
+    force_flush(2000)
     time.sleep(0.05)

@@ -15,7 +15,7 @@ import time
 
 def redis_memory_args(maxmemory: str = "512mb") -> list[str]:
     """Session data is never evicted: at the limit Redis refuses writes that grow it, and the session store turns
-    that into 'no new sessions' while running ones finish (orchestrator/session_store.py)."""
+    that into 'no new sessions' while running ones finish (orchestrator/store/session_store.py)."""
     return ["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
 
 

@@ -1,6 +1,6 @@
 """What the target service needs from an inference engine. The gRPC service (target_service/server.py), its
 batcher and the orchestrator above it know nothing else about the engine, so a backend is swapped without
-touching them: target_service/engine.py (PyTorch, any Hugging Face model, tree speculation, KV export) and
+touching them: target_service/engines/torch.py (PyTorch, any Hugging Face model, tree speculation, KV export) and
 target_service/engines/llamacpp.py (llama.cpp on a GGUF, the fastest on a CPU). docs/engines.md has more.
 
 Exactness contract: a verify's rows come from the same engine as its target-only decoding, and the
@@ -50,7 +50,7 @@ class TargetBackend(Protocol):
                tree_parents: list[int] | None = None):
         """Context delta + draft block in one forward, the block's rows judged by specdec.core.sampling.verify;
         the session keeps the context and the accepted drafts (rejected positions leave its cache).
-        Returns target_service.engine.VerifyOutcome."""
+        Returns target_service.engines.jobs.VerifyOutcome."""
 
     def decode(self, session_id: str, prefix_len: int, delta: list[int], max_tokens: int, params: SamplingParams,
                seed: int, step: int, stop_token_ids: set[int] = frozenset()) -> tuple[list[int], int, float]:
@@ -64,7 +64,7 @@ class TargetBackend(Protocol):
         engine cannot export them (then loaded.kv_fingerprint is empty and the service never asks)."""
 
     def profile_forward_ms(self, max_tokens: int, context: int = 32, reps: int = 3) -> list[float]:
-        """Milliseconds of one cached forward over 1 .. max_tokens new tokens (engine.measure_profile)."""
+        """Milliseconds of one cached forward over 1 .. max_tokens new tokens (target_service/engines/profile.py measure_profile)."""
 
     def cache_bytes(self) -> int:
         """KV cache bytes the sessions hold (a gauge)."""

@@ -29,7 +29,9 @@ from specdec.core import tree
 from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
-from target_service.engine import VerifyBatcher, VerifyJob, VerifyOutcome, decode_as_verify_steps, measure_profile
+from target_service.engines.batching import VerifyBatcher, decode_as_verify_steps
+from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.profile import measure_profile
 
 log = logging.getLogger("specdec.target.llamacpp")
 

@@ -77,7 +77,7 @@ def build_engine(args: argparse.Namespace):
                               kv_budget_mib=args.max_cache_mb)
     from specdec.core.kv_cache import SessionCacheStore
     from specdec.models import load_model
-    from target_service.engine import TargetEngine
+    from target_service.engines.torch import TargetEngine
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
                         ragged=args.ragged_batch == "auto")

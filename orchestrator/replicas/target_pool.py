@@ -1,4 +1,4 @@
-"""Target replicas behind one interface (orchestrator/replica_pool.py), and each session's place on one of them.
+"""Target replicas behind one interface (orchestrator/replicas/pool.py), and each session's place on one of them.
 
 A session is placed on one target replica (TargetSeat): the first in its rendezvous ranking (so a resumed session
 finds the replica that still holds its KV cache) whose breaker lets calls through and whose load stays within
@@ -24,9 +24,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import grpc
 
-from orchestrator.clients import TargetClient
-from orchestrator.discovery import Resolve
-from orchestrator.replica_pool import OPEN, CircuitBreaker, Replica, ReplicaPool
+from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.discovery import Resolve
+from orchestrator.replicas.pool import OPEN, CircuitBreaker, Replica, ReplicaPool
 from specdec.core.grpc_util import make_channel
 from specdec.v1 import common_pb2
 

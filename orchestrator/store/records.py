@@ -44,7 +44,7 @@ class _Stored:
 
 @dataclass
 class GenerationParams(_Stored):
-    """A Generate request's parameters, validated (orchestrator/server.py), as the session keeps them."""
+    """A Generate request's parameters, validated (orchestrator/api/server.py), as the session keeps them."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -87,7 +87,7 @@ class GenerationStats(_Stored):
     store_ms: float = 0.0
     prefetch_wait_ms: float = 0.0
     store_overlapped_ms: float = 0.0
-    queued_ms: float = 0.0  # waited in the admission queue before it started (orchestrator/admission.py)
+    queued_ms: float = 0.0  # waited in the admission queue before it started (orchestrator/policy/admission.py)
     draft_failures_by_kind: dict[str, int] = field(default_factory=dict)
 
     def copy(self) -> "GenerationStats":

@@ -1,4 +1,5 @@
-"""The benchmark's fixed prompt set: chat, code, and summarising a given passage.
+"""The fixed evaluation prompt set: chat, code, and summarising a given passage. The benchmark (bench/) measures
+on it; the offline tools (offline/datastore_build.py) keep it out of what they build from, so it lives here, below both.
 
 Every configuration gets exactly these prompts, turned into token ids once by :func:`encode` (the same
 chat template the orchestrator applies for ``apply_chat_template=True``), so the services and the

@@ -1,5 +1,5 @@
 """Replicas found by DNS: ``dns:///draft:50051`` stands for every address the name resolves to (drafts and
-targets alike: orchestrator/replica_pool.py).
+targets alike: orchestrator/replicas/pool.py).
 
 gRPC's own resolver would give one channel to one of those addresses (pick_first): the pool would see one
 replica however many run. Here the name is resolved with getaddrinfo, each address becomes a replica of its

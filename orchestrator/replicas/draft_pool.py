@@ -1,4 +1,4 @@
-"""Draft replicas behind one interface (orchestrator/replica_pool.py): health checking, a circuit breaker per
+"""Draft replicas behind one interface (orchestrator/replicas/pool.py): health checking, a circuit breaker per
 replica, session affinity.
 
 A session sticks to the replica that holds its KV cache (rendezvous hashing, so affinity survives orchestrator
@@ -9,9 +9,9 @@ session decodes target-only.
 
 from __future__ import annotations
 
-from orchestrator.clients import DraftClient
-from orchestrator.discovery import Resolve
-from orchestrator.replica_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Replica, ReplicaPool, rank
+from orchestrator.replicas.clients import DraftClient
+from orchestrator.replicas.discovery import Resolve
+from orchestrator.replicas.pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Replica, ReplicaPool, rank
 from specdec.core.grpc_util import make_channel
 
 __all__ = ["CLOSED", "HALF_OPEN", "OPEN", "CircuitBreaker", "DraftPool", "DraftReplica", "LocalDraftReplica", "_rank"]
@@ -25,7 +25,7 @@ class DraftReplica(Replica):
 
 
 class LocalDraftReplica(DraftReplica):
-    """An in-process drafter (orchestrator/local_draft.py): healthy for as long as the orchestrator runs."""
+    """An in-process drafter (orchestrator/replicas/local_draft.py): healthy for as long as the orchestrator runs."""
 
     def __init__(self, client, breaker: CircuitBreaker):
         super().__init__(client.address, breaker, client)
@@ -49,7 +49,7 @@ class DraftPool(ReplicaPool):
                          on_info, breaker_failures, resolve, resolve_interval_s)
 
     def _new_replica(self, address: str, breaker: CircuitBreaker, authority: str | None) -> DraftReplica:
-        from orchestrator.local_draft import is_local
+        from orchestrator.replicas.local_draft import is_local
 
         if is_local(address):
             if self._local_client is None:

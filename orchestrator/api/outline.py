@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from specdec.core.security import redact_url
 
-from orchestrator.draft_length import GoodputDraftLength
+from orchestrator.policy.draft_length import GoodputDraftLength
 
 DRAFT_INFO_TIMEOUT_S = 0.5  # how long an outline request may wait on the draft's GetInfo
 DRAFT_INFO_TTL_S = 60.0     # re-ask a reachable draft after this long (it may have been replaced)

@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from orchestrator.clients import DraftClient
+from orchestrator.replicas.clients import DraftClient
 
 log = logging.getLogger("specdec.orchestrator")
 
@@ -90,7 +90,8 @@ def build_local_client(address: str, tokenizer, target_name: str, vocab_size: in
                        datastore: str = "auto") -> LocalDraftClient:
     """`local:ngram`: the n-gram drafter for the target's tokenizer, with the target's datastore when one is cached
     (`specdec datastore`; ``datastore``: auto, none or a path, as the draft service's --datastore)."""
-    from draft_service.server import DraftServicer, build_ngram_proposer
+    from draft_service.build import build_ngram_proposer
+    from draft_service.servicer import DraftServicer
 
     strategy = address[len(LOCAL_PREFIX):]
     if strategy not in LOCAL_STRATEGIES:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orchestrator.records import GenerationParams, GenerationStats
+from orchestrator.store.records import GenerationParams, GenerationStats
 from specdec import observability as telemetry
 
 KEY_PREFIX = "specdec:session:"
@@ -192,13 +192,13 @@ return 0
 
 class RedisSessionStore:
     def __init__(self, url: str, ttl_s: int = 3600, socket_timeout_s: float = 2.0, lease_ttl_s: float = 5.0):
-        from orchestrator.store_client import connect
+        from orchestrator.store.client import connect
         from specdec.core.security import redact_url
 
         self.url = redact_url(url)  # errors and the outline show this; only the client below sees the password
         self.ttl_s = ttl_s
         self.lease_ttl_s = lease_ttl_s
-        connection = connect(url, socket_timeout_s)  # redis:// or redis+sentinel:// (orchestrator/store_client.py)
+        connection = connect(url, socket_timeout_s)  # redis:// or redis+sentinel:// (orchestrator/store/client.py)
         self.client, self.replicas = connection.client, connection.replicas
         self._create_script = self.client.register_script(_CREATE_LUA)
         self._commit_script = self.client.register_script(_COMMIT_LUA)

@@ -13,20 +13,20 @@ from collections import Counter
 
 import grpc
 
-from orchestrator.admission import Admission, QueueCancelled, QueueTimeout
-from orchestrator.cancel import cancel_stored, lease_wait_s
-from orchestrator.clients import TargetClient
-from orchestrator.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
-from orchestrator.discovery import is_dns, parse_dns
-from orchestrator.draft_pool import DraftPool
-from orchestrator.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
+from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeout
+from orchestrator.api.cancel import cancel_stored, lease_wait_s
+from orchestrator.replicas.clients import TargetClient
+from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
+from orchestrator.replicas.discovery import is_dns, parse_dns
+from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.replicas.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
 from orchestrator.loop import (AcceptanceWindow, Backends, Generation, GenerationError, Measurements, StepTimer,
                                StreamControl, stats_message)
-from orchestrator.prompts import chat_prompt_ids
-from orchestrator.records import GenerationParams
-from orchestrator.session_store import (LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable,
+from orchestrator.api.prompts import chat_prompt_ids
+from orchestrator.store.records import GenerationParams
+from orchestrator.store.session_store import (LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable,
                                         open_store)
-from orchestrator.store_status import store_errors, store_error
+from orchestrator.store.status import store_errors, store_error
 from orchestrator.settings import LoopConfig, ServerSettings
 from specdec.ops import cpu_affinity
 from specdec import observability as telemetry
@@ -353,7 +353,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     self._release_caches(sid)
 
     def _admit(self, ticket, context) -> float:
-        """Wait for the generation's turn (orchestrator/admission.py), at most until the call's deadline; the seconds
+        """Wait for the generation's turn (orchestrator/policy/admission.py), at most until the call's deadline; the seconds
         waited. A queued gRPC call gets its session id at once in the response headers (SESSION_METADATA), for
         CancelSession."""
         remaining = getattr(context, "time_remaining", lambda: None)()  # the HTTP API's stand-in has none
@@ -413,7 +413,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def GetOutline(self, request, context):
         from google.protobuf import struct_pb2
 
-        from orchestrator.outline import build_outline
+        from orchestrator.api.outline import build_outline
 
         principal = self.authenticate(context)
         # Without auth (loopback or --insecure) every caller is the operator; with it, only admins see addresses.
@@ -454,8 +454,8 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                    adaptive_admission: bool = _S.admission == "adaptive") -> OrchestratorServicer:
     """Connect to the target replicas (``target_addr``: comma-separated, ``dns:///`` names too; at least one must
     answer, all must serve the same model) and the draft replicas (optional: unreachable ones join later).
-    A ``local:ngram`` replica drafts in this process (orchestrator/local_draft.py)."""
-    from orchestrator.local_draft import build_local_client
+    A ``local:ngram`` replica drafts in this process (orchestrator/replicas/local_draft.py)."""
+    from orchestrator.replicas.local_draft import build_local_client
     from specdec.models import load_tokenizer
 
     try:
@@ -491,7 +491,7 @@ def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_
                                     "chains", extra={"replica": replica.address, "model": replica.info.model_name})
         try:
             store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
-        except ValueError as e:  # orchestrator/store_client.py's StoreUrlError: a malformed --redis URL
+        except ValueError as e:  # orchestrator/store/client.py's StoreUrlError: a malformed --redis URL
             raise StartupError(f"--redis: {e}") from None
         try:
             store.ping()

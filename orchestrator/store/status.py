@@ -6,7 +6,7 @@ import functools
 
 import grpc
 
-from orchestrator.session_store import LeaseLost, SessionLost, StoreFull, StoreUnavailable
+from orchestrator.store.session_store import LeaseLost, SessionLost, StoreFull, StoreUnavailable
 from specdec.core.grpc_util import RpcAbort
 
 

@@ -1,8 +1,8 @@
 """Replicas of one service behind one interface: periodic health checks, a circuit breaker per replica, rendezvous ranking
-for session affinity, DNS discovery. The draft pool (orchestrator/draft_pool.py) and the target pool
-(orchestrator/target_pool.py) are this with their own clients and placement rules.
+for session affinity, DNS discovery. The draft pool (orchestrator/replicas/draft_pool.py) and the target pool
+(orchestrator/replicas/target_pool.py) are this with their own clients and placement rules.
 
-A ``dns:///name:port`` address stands for every address the name resolves to (orchestrator/discovery.py): each is a
+A ``dns:///name:port`` address stands for every address the name resolves to (orchestrator/replicas/discovery.py): each is a
 replica, and replicas that appear or disappear on re-resolution join or leave the pool; a session on a replica that
 left moves as it does when a replica fails.
 """
@@ -17,7 +17,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.discovery import Discovery, Resolve
+from orchestrator.replicas.discovery import Discovery, Resolve
 
 log = logging.getLogger("specdec.orchestrator.pool")
 

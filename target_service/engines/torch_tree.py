@@ -9,7 +9,7 @@ import time
 from specdec.core import sampling
 from specdec.core import tree
 from specdec.core.sampling import TreeVerifyResult
-from target_service.jobs import VerifyOutcome
+from target_service.engines.jobs import VerifyOutcome
 
 
 def verify_tree_job(engine, job) -> None:
