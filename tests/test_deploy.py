@@ -668,3 +668,19 @@ def test_healthcheck_script_against_a_real_server():
     down = subprocess.run([sys.executable, script, server.address, "--timeout", "0.5"], capture_output=True,
                           text=True, timeout=30)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr, (down.stdout, down.stderr)
+
+
+def test_compose_check_scripts_parse_and_name_the_real_files():
+    """scripts/compose_check.sh (run by hand or CI where an engine runs: docs/deploy.md) and its Python half."""
+    for script in ("compose_check.sh", "make_local_base.sh"):
+        done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    from chaos import compose_check
+
+    args = compose_check.parse_args([])
+    assert args.project == PROJECT and args.compose_file is None
+    shell = (ROOT / "scripts" / "compose_check.sh").read_text()
+    for path in ("deploy/docker-compose.yml", "deploy/docker-compose.noregistry.yml", "deploy/Dockerfile",
+                 "deploy/Dockerfile.redis"):
+        assert (ROOT / path).exists() and path in shell, path
+    assert "-m chaos.compose_check" in shell
