@@ -9,7 +9,8 @@
 # Environment: PYTHON (default .venv/bin/python: specdec and openai installed), SPECDEC_BASE_IMAGE (a base image to
 # build on instead of pulling python:3.11-slim or making local/debian:bookworm), SPECDEC_BUILD_CA (CA bundle for
 # pip inside the build; default the host's /etc/ssl/certs/ca-certificates.crt), TORCH_WHEEL_DIR (a directory with
-# torch-2.13.0+cpu wheels to serve to the build; default the host pip's find-links when it has one).
+# torch-2.13.0+cpu wheels to serve to the build; default the host pip's find-links when it has one; served on
+# the docker bridge at port TORCH_WHEEL_PORT, default 18765).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fresh=0
@@ -61,7 +62,7 @@ if [ -z "$base" ]; then
   if docker image inspect python:3.11-slim >/dev/null 2>&1 || timeout 60 docker pull -q python:3.11-slim >/dev/null 2>&1; then
     base=python:3.11-slim
   else
-    say "no container registry: making the Debian base image from the Debian mirror"
+    say "no container registry: the base image is local/debian:bookworm (made from the Debian mirror if absent)"
     DOCKER=docker bash scripts/make_local_base.sh local/debian:bookworm
     base=local/debian:bookworm
   fi
@@ -78,10 +79,15 @@ cleanup() {
 trap cleanup EXIT
 if [ -n "$wheels" ] && ls "$wheels"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
   # Served on the docker bridge for the build only (pip --find-links); nothing else from the host goes in.
-  bridge=$(docker network inspect bridge -f '{{(index .IPAM.Config 0).Gateway}}')
-  port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('$bridge', 0)); print(s.getsockname()[1])")
+  # A fixed address and port: TORCH_FIND_LINKS is part of the build cache's key (a new URL rebuilds every layer
+  # after it).
+  bridge=$(docker network inspect bridge -f '{{(index .IPAM.Config 0).Gateway}}' 2>/dev/null || true)
+  [ -n "$bridge" ] || bridge=$(ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1)
+  port=${TORCH_WHEEL_PORT:-18765}
   "$PYTHON" -m http.server "$port" --bind "$bridge" --directory "$wheels" >/tmp/specdec-wheels-http.log 2>&1 &
   wheel_server=$!
+  sleep 1
+  kill -0 "$wheel_server" || { echo "could not serve $wheels on $bridge:$port (TORCH_WHEEL_PORT)" >&2; exit 1; }
   build_args+=(--build-arg "TORCH_FIND_LINKS=http://$bridge:$port/")
   say "torch's CPU wheel from $wheels (served on http://$bridge:$port/ to the build)"
 fi
