@@ -67,7 +67,10 @@ class Stack:
         cmd = [*self.compose_cmd, "-p", self.project]
         for f in self.files:
             cmd += ["-f", f]
-        return _run([*cmd, *args], timeout)
+        # docker-compose 1.29 gives up on an engine call after COMPOSE_HTTP_TIMEOUT (60 s): a loaded host's health
+        # polls and stops take longer.
+        return _run([*cmd, *args], timeout, env={**os.environ, "COMPOSE_HTTP_TIMEOUT": os.environ.get(
+            "COMPOSE_HTTP_TIMEOUT", "900")})
 
     def up(self, **scale: int) -> None:
         """`up -d` with every scale so far (compose scales a service back to its default when not told)."""
@@ -96,8 +99,8 @@ class Stack:
         raise CheckFailed(f"{service}: {count} healthy replicas not reached in {timeout_s:.0f} s")
 
 
-def _run(cmd: list[str], timeout: float = 120) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: float = 120, env: dict | None = None) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise CheckFailed(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
     return done.stdout
