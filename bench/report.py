@@ -39,6 +39,25 @@ def _spread(sp) -> str:
     return f" ({sp['min']:.2f}-{sp['max']:.2f})"
 
 
+def category_table(cats: dict | None, head: str | None) -> list[str]:
+    """The by_category block as a markdown section (nothing for a result file without one)."""
+    if not cats:
+        return []
+    lines = ["", "## By category", "",
+             f"The headline configuration ({head}) per prompt category, beside specdec target-only, plain llama.cpp on "
+             "the same cores and llama.cpp with prompt lookup, from the same interleaved run.", "",
+             "| category | speculative tok/s | target-only | llama.cpp | llama.cpp prompt lookup | accept rate | "
+             "mean acc. len | vs target-only | vs llama.cpp | greedy = target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for kind, c in cats.items():
+        same = {True: "yes", False: "**no**", None: "n/a"}[c.get("greedy_identical_to_target_only")]
+        lines.append(f"| {kind} | {_f(c.get('speculative_tokens_per_s'), 1)} | {_f(c.get('target_only_tokens_per_s'), 1)}"
+                     f" | {_f(c.get('llamacpp_tokens_per_s'), 1)} | {_f(c.get('llamacpp_prompt_lookup_tokens_per_s'), 1)}"
+                     f" | {_f(c.get('acceptance_rate'))} | {_f(c.get('mean_accepted_length'))} | "
+                     f"{_f(c.get('speedup_vs_target_only'))} | {_f(c.get('speedup_vs_llamacpp'))} | {same} |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     s = res["settings"]
     m = res["machine"]
@@ -86,8 +105,11 @@ def markdown(res: dict) -> str:
                        ("measured_over_predicted_decode_phase", "measured / predicted, after the first streamed tokens"),
                        ("throughput_8_sessions_vs_1",
                         f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})"),
-                       ("system_overhead_share", "gRPC + Redis overhead per step on the critical path / target step")]:
+                       ("system_overhead_share", "gRPC + Redis overhead per step on the critical path / target step"),
+                       ("speedup_vs_llama_server", "speedup vs llama-server -np 1 (HTTP, one stream)"),
+                       ("speedup_vs_llama_server_ngram", "speedup vs llama-server -np 1 --spec-type ngram-simple")]:
         lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")
+    lines += category_table(res.get("by_category"), res.get("headline_config"))
     lines += ["", "## Targets", "", "| target | value | met | measurement / why |", "|---|---|---|---|"]
     for t in res["targets"].values():
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]

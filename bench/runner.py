@@ -20,10 +20,13 @@ import sys
 import time
 
 from bench import analysis
-from specdec.eval_prompts import Prompt, encode, select
+from specdec.eval_prompts import CATEGORIES, Prompt, encode, select
 from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
                            session_job_count, sessions_sweep_flags)
-from bench.llamacpp_rows import headline_vs_llamacpp, llamacpp_configs, llamacpp_session
+from bench.categories import by_category
+from bench.llama_server import add_cli_option as add_llama_server_option
+from bench.llama_server_rows import llama_server_configs, runner_keys as llama_server_keys
+from bench.llamacpp_rows import PLAIN, PROMPT_LOOKUP, headline_vs_llamacpp, llamacpp_configs, llamacpp_session
 from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
@@ -35,7 +38,9 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a run under ~3 minutes: 4 prompts, 48 tokens, g = 4, no tree, HF target-only or --pipeline on")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: one prompt of each category, 48 tokens, g = 4, no tree, HF target-only or "
+                        "--pipeline on")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--serving", action="store_true",
                    help="the serving benchmark instead (bench/serving.py: closed-loop 1..64 streams and Poisson "
@@ -50,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "quantized"],
                    default="auto", help="auto: as `specdec run` picks it for the engine (docs/engines.md)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
-    p.add_argument("--num-prompts", type=int, default=None, help="prompts from specdec/eval_prompts.py (default 12; quick 4)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts from specdec/eval_prompts.py, round-robin over the categories (default 2 per "
+                        "category; quick 1 per category)")
     p.add_argument("--rounds", type=int, default=None, help="repeats of the interleaved sweep (default 2; quick 1)")
     p.add_argument("--draft-lens", default=None, help="fixed draft lengths (default 2,3,4,6; quick 4)")
     p.add_argument("--pipelined-sweep", action=argparse.BooleanOptionalAction, default=None,
@@ -102,13 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where latest.json / latest.md / latest.png go (default: bench/results/quick or /full)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
+    add_llama_server_option(p)
     a = p.parse_args(argv)
     if a.serving:
         p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
     q = a.quick
     a.out_dir = a.out_dir or str(RESULTS_DIR / ("quick" if q else "full"))  # one current result set per mode
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
-    a.num_prompts = a.num_prompts or (4 if q else 12)
+    a.num_prompts = a.num_prompts or len(CATEGORIES) * (1 if q else 2)
     a.rounds = a.rounds or (1 if q else 2)
     a.draft_lens = [int(x) for x in (a.draft_lens or ("4" if q else "2,3,4,6")).split(",") if x.strip()]
     a.sessions = sorted({int(x) for x in a.sessions.split(",") if x.strip()})
@@ -200,6 +208,8 @@ def run(args: argparse.Namespace) -> dict:
         startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
         phase("service_startup")
         anchors, close_anchors = llamacpp_configs(args, target.eos_token_ids)
+        servers, close_servers = llama_server_configs(args, services.target_threads, list(ids.values()))
+        anchors, close_anchors = anchors + servers, close_anchors + close_servers
         cfgs = build_configs(args, services, target, draft, flags) + anchors
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
@@ -318,6 +328,10 @@ def run(args: argparse.Namespace) -> dict:
     rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
+    res.update(llama_server_keys(res))
+    plain = f"{PLAIN}-t{res['llamacpp_threads']}" if res.get("llamacpp_threads") else None
+    lookup = next((c.name for c in cfgs if c.kind == PROMPT_LOOKUP), None)
+    res["by_category"] = by_category(prompts, cfgs, res.get("headline_config"), plain, lookup)
     res.update(engine=services.engine, engine_reason=services.engine_reason, target_threads=services.target_threads)
     res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
     res["machine"]["cpu_affinity"] = {

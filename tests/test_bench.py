@@ -317,6 +317,8 @@ def test_llamacpp_keys_are_null_with_the_reason_when_llamacpp_cannot_run(bench_r
     assert {c["kind"] for c in rows} == {"llamacpp-plain", "llamacpp-prompt-lookup"}
     assert all(not c["available"] and "not a GGUF" in c["reason"] for c in rows)
     assert "llama.cpp plain, 1 thread" in (out / "latest.md").read_text()
+    assert res["llama_server_tokens_per_s"] is None and res["speedup_vs_llama_server"] is None
+    assert "not a GGUF" in res["llama_server_reason"] and "not a GGUF" in res["llama_server_ngram_reason"]
 
 
 @ON_THE_RUN
@@ -384,3 +386,45 @@ def test_llamacpp_anchor_rows_decode_the_gguf_greedily():
     finally:
         for close_ in closers:
             close_()
+
+
+def test_prompt_set_covers_every_category_and_quick_keeps_one_of_each():
+    from specdec.eval_prompts import CATEGORIES, PROMPTS, select
+    from bench.runner import parse_args
+
+    kinds = [p.kind for p in PROMPTS]
+    assert set(kinds) == set(CATEGORIES) and all(kinds.count(k) >= 2 for k in CATEGORIES)
+    assert len({p.name for p in PROMPTS}) == len(PROMPTS)
+    quick = parse_args(["--quick"])
+    assert [p.kind for p in select(quick.num_prompts)] == list(CATEGORIES)  # one prompt of each, in order
+    full = select(parse_args([]).num_prompts)
+    assert all([p.kind for p in full].count(k) == 2 for k in CATEGORIES)
+    # multi-turn prompts carry the conversation they refer to; the others are one user message
+    assert all(len(p.messages()) >= 3 for p in PROMPTS if p.kind == "multi_turn")
+    assert all(len(p.messages()) == 1 for p in PROMPTS if p.kind != "multi_turn")
+
+
+def test_rag_prompts_carry_one_to_two_thousand_tokens_of_context():
+    from specdec.eval_prompts import PROMPTS, encode
+    from specdec.models import load_tokenizer, smollm2_gguf_path
+
+    tok = load_tokenizer(str(smollm2_gguf_path()))
+    lengths = {p.name: len(encode(p, tok)) for p in PROMPTS}
+    assert all(1000 <= n <= 2000 for name, n in lengths.items() if name.startswith("rag-")), lengths
+    assert all(n < 400 for name, n in lengths.items() if not name.startswith("rag-")), lengths
+
+
+@ON_THE_RUN
+def test_bench_by_category_ratios_come_from_its_tokens_per_second(bench_run):
+    res, out = bench_run
+    cats = res["by_category"]
+    assert list(cats) == list(dict.fromkeys(p["kind"] for p in res["settings"]["prompts"]))
+    for kind, c in cats.items():
+        assert set(c["prompts"]) <= {p["name"] for p in res["settings"]["prompts"] if p["kind"] == kind}
+        assert c["target_only_tokens_per_s"] > 0 and c["speculative_tokens_per_s"] > 0
+        assert close(c["speedup_vs_target_only"], c["speculative_tokens_per_s"] / c["target_only_tokens_per_s"])
+        assert c["llamacpp_tokens_per_s"] is None and c["speedup_vs_llamacpp"] is None  # tiny models: no GGUF
+        assert c["greedy_identical_to_target_only"] is True  # greedy: the same tokens, category by category
+        if c["mean_accepted_length"] is not None:
+            assert c["mean_accepted_length"] >= 1.0 and 0.0 <= c["acceptance_rate"] <= 1.0
+    assert "## By category" in (out / "latest.md").read_text()

@@ -22,7 +22,7 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
                 shed_above: int = 0) -> dict:
     """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry). Returns
     the sizes of the Decode calls, the Verify calls' block sizes, the Propose calls and the session's stats."""
-    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation})
+    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation, "draft_len_limit": 16})
     cfg = LoopConfig(speculation_max_sessions=shed_above)
     measured = Measurements(active_sessions=lambda: active, target_cost=TargetCost(profile))
     backends = Backends(None, types.SimpleNamespace(), None, set(), 100)

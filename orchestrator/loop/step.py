@@ -12,7 +12,7 @@ from __future__ import annotations
 from orchestrator import metrics
 from orchestrator.policy.draft_length import dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
-from orchestrator.loop.draft_call import DraftCall, replica_limit
+from orchestrator.loop.draft_call import DraftCall
 from orchestrator.loop.handover import PromptHandover
 from orchestrator.loop.prefetch import Prefetcher
 from orchestrator.loop.state import LoopState
@@ -71,7 +71,7 @@ class Step:
         target prefilling alongside for a new session), verify them: (new tokens, False); (None, failed) when
         nothing was drafted or the draft failed."""
         self.draft_len.pipelined = self.prefetch.pipelines(replica)
-        ask = replica_limit(replica, min(self.draft_len.request_len(k), remaining - 1))  # a scored draft is trimmed
+        ask = min(self.draft_len.request_len(k), remaining - 1)  # a scored draft is trimmed
         reply = self.prefetch.take(replica, ask)
         if reply is None:
             kv = self.handover.target_kv(replica)

@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 import logging
+import threading
 from concurrent import futures
 from typing import Callable, Iterable
 
@@ -144,6 +145,45 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
     return telemetry.intercept_channel(channel, address)
 
 
+class HealthServicer(health.HealthServicer):
+    """grpc's health service, whose graceful shutdown ends the Health.Watch streams without holding its lock.
+
+    grpc's own pushes NOT_SERVING to every watcher while it holds the servicer's lock, and a watch stream that
+    closes meanwhile runs its close callback (which takes that lock) on grpc's thread: with several Watch streams
+    open, stop() could hang there. Here the watchers are taken out under the lock and each is sent NOT_SERVING
+    and its end outside it; a close callback that comes after finds nothing left to remove."""
+
+    GOODBYE_WAIT_S = 1.0  # the longest a stop waits for the watchers to be told (the server's stop ends the rest)
+
+    def _on_close_callback(self, send_response_callback, service):
+        def callback():
+            with self._lock:
+                self._send_response_callbacks.get(service, set()).discard(send_response_callback)
+            send_response_callback(None)
+
+        return callback
+
+    def enter_graceful_shutdown(self) -> None:
+        with self._lock:
+            if self._gracefully_shutting_down:
+                return
+            self._gracefully_shutting_down = True
+            for service in self._server_status:
+                self._server_status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+            watchers = [cb for callbacks in self._send_response_callbacks.values() for cb in callbacks]
+            self._send_response_callbacks.clear()
+        going = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        def goodbye() -> None:
+            for send in watchers:
+                send(going)  # blocks until sent: a watcher that reads nothing holds it until stop() cancels its call
+                send(None)  # ends the stream: the server's stop() has no call left to wait for
+
+        pushing = threading.Thread(target=goodbye, name="health-goodbye", daemon=True)
+        pushing.start()
+        pushing.join(self.GOODBYE_WAIT_S)
+
+
 class ServiceServer:
     """A grpc.Server with health checking and reflection, serving one or more services."""
 
@@ -154,7 +194,7 @@ class ServiceServer:
             maximum_concurrent_rpcs=max_workers * 4,
             interceptors=[telemetry.server_interceptor()],  # server spans from the caller's traceparent
         )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.health = HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         tls = tls or _tls
