@@ -42,12 +42,17 @@ class Step:
         stats, fallback = self.state.stats, min(self.state.cfg.fallback_chunk, remaining)
         if self.prefetch.resolve():  # the draft failed this step already: no second deadline before falling back
             return self.decode(fallback, degraded=True), True
+        if not self.draft.wanted():  # target-only: one decode stream for the rest of the generation
+            return self.stream(remaining, degraded=False), False
         k = min(self.draft_len.k, remaining - 1)
-        if k <= 0 or not self.draft.wanted():
-            if self.draft_len.k == 0 and self.draft.wanted():  # no draft length pays: target-only for now
+        if k <= 0:
+            if self.draft_len.k == 0:  # no draft length pays: target-only until the policy probes again
                 stats.speculation_paused_steps += 1
                 metrics.record_paused()
+                steps_left = self.draft_len.steps_to_probe() if hasattr(self.draft_len, "steps_to_probe") else 1
+                tokens = self.stream(min(remaining, fallback * steps_left), degraded=False)
                 self.draft_len.step_taken()
+                return tokens, False
             return self.decode(fallback, degraded=False), False
         if self._overloaded():
             stats.load_shed_steps += 1
@@ -94,6 +99,13 @@ class Step:
         rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
         record_verify(self.state, self.draft_len, len(reply.tokens), v.num_accepted, v.verify_ms, reply.scores)
         return reply.tokens[: v.num_accepted] + [v.next_token]
+
+    def stream(self, total: int, degraded: bool) -> list[int]:
+        """The next block of target-only tokens from the session's decode stream (one of `total` tokens is opened
+        when none is): a paused or target-only session costs what plain decoding does, one stream, no call a block."""
+        d = self.target.stream_block(total, degraded)
+        record_decode(self.state, len(d.tokens), d.decode_ms, degraded)
+        return d.tokens
 
     def decode(self, n: int, degraded: bool) -> list[int]:
         d = self.target.decode(n, degraded)

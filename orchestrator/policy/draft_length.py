@@ -376,6 +376,10 @@ class GoodputDraftLength:
     def _sessions(self) -> int:
         return max(1, int(self.cost.sessions()))
 
+    def steps_to_probe(self) -> int:
+        """Paused: the target-only steps left before the next probe (a decode stream is opened for their tokens)."""
+        return max(1, self.PROBE_EVERY - self.paused_steps)
+
     def step_taken(self) -> None:
         """A step without a verify; while paused, count towards the next probe."""
         if self.k == 0:
