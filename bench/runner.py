@@ -27,7 +27,8 @@ from bench.categories import by_category
 from bench.llama_server import add_cli_option as add_llama_server_option
 from bench.llama_server_rows import llama_server_configs, runner_keys as llama_server_keys
 from bench.llamacpp_rows import PLAIN, PROMPT_LOOKUP, headline_vs_llamacpp, llamacpp_configs, llamacpp_session
-from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
+from bench.measure import (_run_one, measure_overheads, microbench, run_sessions_level, target_only_breakdown,
+                           verify_forward)
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
 log = logging.getLogger("bench")
@@ -328,6 +329,11 @@ def run(args: argparse.Namespace) -> dict:
     rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
+    target_only_row = next((r for r in rows if r["name"] == "specdec-target-only"), {})
+    res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(target_only_row,
+                                                                         res.get("llamacpp_tokens_per_s"))
+    res["target_only_vs_llamacpp"] = analysis.ratio(res.get("target_only_tokens_per_s"),
+                                                    res.get("llamacpp_tokens_per_s"))
     res.update(llama_server_keys(res))
     plain = f"{PLAIN}-t{res['llamacpp_threads']}" if res.get("llamacpp_threads") else None
     lookup = next((c.name for c in cfgs if c.kind == PROMPT_LOOKUP), None)

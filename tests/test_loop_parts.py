@@ -191,7 +191,7 @@ def test_a_request_is_admitted_with_the_smallest_of_the_advertised_draft_limits(
     assert admitted().draft_len_limit == 16                  # nothing else advertised: the orchestrator's limit
     assert admitted(target=3).draft_len_limit == 3           # the target verifies at most 3
     assert admitted(target=8, drafts=5).draft_len_limit == 5  # the drafts take at most 5
-    assert admitted(request=2, target=8).draft_len_limit == 2  # a request's own length, fixed
+    assert admitted(request=2, target=8).draft_len_limit == 8  # a request's own length is fixed, within it
     with pytest.raises(RpcAbort, match="max_draft_len 9 exceeds the limit of 8"):
         admitted(request=9, target=8)
     assert step().draft_len.k == 6 and step(target=3).draft_len.k == 3 and step(request=2).draft_len.k == 2

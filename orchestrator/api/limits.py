@@ -40,18 +40,18 @@ def bad_request(message: str) -> RpcAbort:
 
 
 def draft_len_limit(requested: int, limits: RequestLimits) -> int:
-    """The longest draft a step of this request may ask for: its own max_draft_len (a fixed length) or else the
-    limits' ceiling; a request asking for more than the ceiling is refused."""
+    """The longest draft a step of this request may ask the services for (a prefetch asks one more than the
+    step's length): the limits' ceiling. A request asking for a fixed length beyond it is refused."""
     if requested > limits.max_draft_len:
         raise bad_request(f"max_draft_len {requested} exceeds the limit of {limits.max_draft_len}")
-    return requested or limits.max_draft_len
+    return limits.max_draft_len
 
 
 def resolve_resumed(params: GenerationParams, limits: RequestLimits) -> None:
     """A resumed session's draft lengths within the limits of the services it runs on now (they may advertise
     less than when it started): its fixed length, if any, is shortened to fit rather than refused."""
     params.max_draft_len = smallest_limit(params.max_draft_len, limits.max_draft_len)
-    params.draft_len_limit = params.max_draft_len or limits.max_draft_len
+    params.draft_len_limit = limits.max_draft_len
 
 
 def check_request(req: opb.GenerateRequest, limits: RequestLimits, tokenizer) -> tuple[list[int], GenerationParams]:

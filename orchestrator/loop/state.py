@@ -119,7 +119,7 @@ class LoopState:
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else backends.eos_ids)
         if not p.draft_len_limit:
             raise ValueError("a generation's draft_len_limit is resolved when it is admitted (orchestrator/api/limits.py)")
-        # The longest draft a step asks for: resolved once at admission (the smallest of the request's, the
+        # The longest draft a step asks for: resolved once at admission (the smallest of the
         # orchestrator's, the target's and the drafts' limits); nothing in the loop clamps it again.
         self.max_draft_len = p.draft_len_limit
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one

@@ -55,8 +55,8 @@ class GenerationParams(_Stored):
     stop_token_ids: list[int] = field(default_factory=list)
     speculation: bool = True
     max_draft_len: int = 0  # 0: the server's draft length policy; else this fixed length (within draft_len_limit)
-    draft_len_limit: int = 0  # the longest draft a step may ask for: the smallest of the request's, the
-    # orchestrator's, the target's and the drafts' limits (0: not resolved yet; a record stored before it existed)
+    draft_len_limit: int = 0  # the longest draft a step may ask for: the smallest of the orchestrator's, the
+    # target's and the drafts' limits (0: not resolved yet; a record stored before it existed)
     ignore_eos: bool = False
     owner: str = ""  # the principal that created the session ('' without auth)
 

@@ -263,37 +263,68 @@ def call_deadline() -> float | None:
     return _CALL_DEADLINE.get()
 
 
+def _abort_for(error: BaseException, context, name: str) -> None:
+    """Abort the call with the status that fits a service exception (re-raises an RpcError as it is)."""
+    from specdec.core.kv_cache import CacheMiss, ContextTooLong
+
+    if isinstance(error, RpcAbort):
+        context.abort(error.code, error.message)
+    elif isinstance(error, CacheMiss):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+    elif isinstance(error, ContextTooLong):
+        context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
+    elif isinstance(error, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    elif isinstance(error, MemoryError):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
+    elif isinstance(error, TimeoutError):  # queued work that did not start or finish before the call's deadline
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "deadline exceeded")
+    elif isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        raise error
+    else:  # last line of defence for a server
+        log.error("unhandled error in %s", name, exc_info=error)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+
+def _deadline_of(context) -> float | None:
+    remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
+    return time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None
+
+
 def handle_errors(method):
     """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
     import functools
 
-    from specdec.core.kv_cache import CacheMiss, ContextTooLong
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        token = _CALL_DEADLINE.set(_deadline_of(context))
+        try:
+            return method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            _abort_for(e, context, method.__name__)
+        finally:
+            _CALL_DEADLINE.reset(token)
+
+    return wrapper
+
+
+def handle_stream_errors(method):
+    """handle_errors for a server-streaming method (a generator): the messages it yielded reach the client, then
+    the error's status."""
+    import functools
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
-        token = _CALL_DEADLINE.set(time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None)
+        token = _CALL_DEADLINE.set(_deadline_of(context))
         try:
-            return method(self, request, context)
-        except RpcAbort as e:
-            context.abort(e.code, e.message)
-        except CacheMiss as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except ContextTooLong as e:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except MemoryError:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
-        except TimeoutError as e:  # queued work that did not start or finish before the call's deadline
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded")
-        except Exception as e:  # noqa: BLE001 - last line of defence for a server
-            if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-                raise
-            log.exception("unhandled error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            yield from method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            _abort_for(e, context, method.__name__)
         finally:
-            _CALL_DEADLINE.reset(token)
+            try:
+                _CALL_DEADLINE.reset(token)
+            except ValueError:  # closed from another context (the call ended): nothing to restore there
+                pass
 
     return wrapper
 

@@ -90,16 +90,16 @@ def _native_unsupported_reason() -> str | None:
 def build_native(directory: pathlib.Path | None = None, cxx: str | None = None) -> pathlib.Path:
     """Compile csrc/*.cpp (NATIVE_SOURCES) once per source and flags (the file name carries their hash) and return
     the shared library. Safe when several processes build at once: each writes a temporary file and renames."""
-    cxx = cxx or os.environ.get("CXX") or "g++"
-    compiler = shutil.which(cxx)
-    if compiler is None:
-        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
     source = b"".join(path.read_bytes() for path in NATIVE_SOURCES)
     digest = hashlib.sha256(source + " ".join(NATIVE_FLAGS).encode()).hexdigest()[:16]
     directory = directory or kernel_dir()
     target = directory / f"skinny_gemm-{digest}.so"
-    if target.exists():
+    if target.exists():  # built already (the images build it, then drop the compiler)
         return target
+    cxx = cxx or os.environ.get("CXX") or "g++"
+    compiler = shutil.which(cxx)
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
