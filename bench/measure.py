@@ -190,6 +190,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         out["target_decode_rpc_ms"] = med(rt)
         out["target_decode_service_ms"] = med(model)
         out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+        out.update(_stream_costs(target, sid, ctx, greedy))
         target.release(sid)
         if draft is not None:
             out.update(_propose_costs(draft, sid, ctx, k, greedy, model_reps))
@@ -231,6 +232,46 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     if draft is None:
         out["note"] += "; no draft process (the orchestrator drafts with --draft local:ngram): no Propose"
     return out
+
+
+def _stream_costs(target, sid: str, ctx: list[int], greedy, tokens: int = 32, block: int = 4) -> dict:
+    """A DecodeStream of `tokens` tokens in blocks of `block` after the context: the wait for its first block, and
+    per token after it the client's wall time, the engine's time the blocks report, and the part of the wall time
+    that was neither (what the stream costs beyond the engine when the caller keeps up)."""
+    t0 = time.perf_counter()
+    stream = target.decode_stream(sid, ctx, len(ctx) - 1, tokens, greedy, 0, 500, [], 120.0, block, 1)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    t1, n, engine_ms = time.perf_counter(), 0, 0.0
+    while (d := stream.next()) is not None:
+        n += len(d.tokens)
+        engine_ms += d.decode_ms
+    wall_ms = (time.perf_counter() - t1) * 1e3
+    per = (lambda v: v / n) if n else (lambda v: None)
+    return {"target_stream_first_block_ms": first_ms, "target_stream_ms_per_token": per(wall_ms),
+            "target_stream_engine_ms_per_token": per(engine_ms),
+            "target_stream_overhead_ms_per_token": per(max(0.0, wall_ms - engine_ms)),
+            "target_stream_tokens": n + len(stream.first.tokens), "target_stream_block_tokens": block}
+
+
+def target_only_breakdown(row: dict, llamacpp_tokens_per_s: float | None) -> dict | None:
+    """Where each ms of a target-only token through the stack goes (the configuration's own service stats): the
+    engine's decode time, the target calls' round trips beyond it, the Redis commit the steps waited for, the rest
+    of the orchestrator and the client's stream; next to plain llama.cpp's ms a token on the same cores."""
+    st, tokens = row.get("service_stats"), row.get("tokens")
+    if not st or not tokens or not row.get("tokens_per_s"):
+        return None
+    wall = 1e3 / row["tokens_per_s"]
+    engine = (st["decode_ms"] + st["prefill_ms"]) / tokens
+    rpc, commit = st["rpc_overhead_ms"] / tokens, (st["store_ms"] - st["store_overlapped_ms"]) / tokens
+    out = {"client_wall": wall, "target_engine": engine, "target_rpc_beyond_engine": rpc,
+           "redis_commit_critical": commit, "orchestrator_and_client_rest": max(0.0, wall - engine - rpc - commit),
+           "llamacpp": 1e3 / llamacpp_tokens_per_s if llamacpp_tokens_per_s else None}
+    out["vs_llamacpp"] = wall - out["llamacpp"] if out["llamacpp"] else None
+    out["note"] = ("ms per generated token of specdec-target-only (prefill included as the engine's), from the "
+                   "orchestrator's stats; target_rpc_beyond_engine = round trips the steps waited for beyond the "
+                   "engine's reported time (a decode stream's blocks arrive while the next ones decode); "
+                   "vs_llamacpp = client_wall - llamacpp")
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 def _propose_costs(draft, sid: str, ctx: list[int], k: int, greedy, model_reps: int) -> dict:

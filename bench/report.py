@@ -105,7 +105,9 @@ def markdown(res: dict) -> str:
                        ("measured_over_predicted_decode_phase", "measured / predicted, after the first streamed tokens"),
                        ("throughput_8_sessions_vs_1",
                         f"aggregate throughput {res.get('max_sessions')} sessions vs 1 ({res.get('sessions_sweep')})"),
-                       ("system_overhead_share", "gRPC + Redis overhead per step on the critical path / target step")]:
+                       ("system_overhead_share", "gRPC + Redis overhead per step on the critical path / target step"),
+                       ("speedup_vs_llama_server", "speedup vs llama-server -np 1 (HTTP, one stream)"),
+                       ("speedup_vs_llama_server_ngram", "speedup vs llama-server -np 1 --spec-type ngram-simple")]:
         lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")
     lines += category_table(res.get("by_category"), res.get("headline_config"))
     lines += ["", "## Targets", "", "| target | value | met | measurement / why |", "|---|---|---|---|"]

@@ -24,8 +24,11 @@ from specdec.eval_prompts import CATEGORIES, Prompt, encode, select
 from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
                            session_job_count, sessions_sweep_flags)
 from bench.categories import by_category
+from bench.llama_server import add_cli_option as add_llama_server_option
+from bench.llama_server_rows import llama_server_configs, runner_keys as llama_server_keys
 from bench.llamacpp_rows import PLAIN, PROMPT_LOOKUP, headline_vs_llamacpp, llamacpp_configs, llamacpp_session
-from bench.measure import _run_one, measure_overheads, microbench, run_sessions_level, verify_forward
+from bench.measure import (_run_one, measure_overheads, microbench, run_sessions_level, target_only_breakdown,
+                           verify_forward)
 from bench.summary import evaluate_targets, summarise_config, summarise_sessions
 
 log = logging.getLogger("bench")
@@ -108,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where latest.json / latest.md / latest.png go (default: bench/results/quick or /full)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
+    add_llama_server_option(p)
     a = p.parse_args(argv)
     if a.serving:
         p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
@@ -206,6 +210,8 @@ def run(args: argparse.Namespace) -> dict:
         startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
         phase("service_startup")
         anchors, close_anchors = llamacpp_configs(args, target.eos_token_ids)
+        servers, close_servers = llama_server_configs(args, services.target_threads, list(ids.values()))
+        anchors, close_anchors = anchors + servers, close_anchors + close_servers
         cfgs = build_configs(args, services, target, draft, flags) + anchors
         live = [c for c in cfgs if c.available]
         first = ids[prompts[0].name]
@@ -324,6 +330,12 @@ def run(args: argparse.Namespace) -> dict:
     rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
     res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
+    target_only_row = next((r for r in rows if r["name"] == "specdec-target-only"), {})
+    res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(target_only_row,
+                                                                         res.get("llamacpp_tokens_per_s"))
+    res["target_only_vs_llamacpp"] = analysis.ratio(res.get("target_only_tokens_per_s"),
+                                                    res.get("llamacpp_tokens_per_s"))
+    res.update(llama_server_keys(res))
     plain = f"{PLAIN}-t{res['llamacpp_threads']}" if res.get("llamacpp_threads") else None
     lookup = next((c.name for c in cfgs if c.kind == PROMPT_LOOKUP), None)
     res["by_category"] = by_category(prompts, cfgs, res.get("headline_config"), plain, lookup)

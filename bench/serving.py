@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from bench.llama_server import add_cli_option as add_llama_server_option
+from bench.llama_server_rows import ServingAnchor
 from bench.serving_metrics import (RequestRecord, evaluate_targets, level_row, poisson_arrivals, same_outputs,
                                    summarise_level)
 
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "serving"), help="where latest.json / .md / .png go")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--no-progress", action="store_true")
+    add_llama_server_option(p)
     a = p.parse_args(argv)
     q = a.quick
     a.concurrency = sorted({int(x) for x in a.concurrency.split(",") if x.strip()})
@@ -322,7 +325,10 @@ def run(args: argparse.Namespace) -> dict:
     tiny_vocab = (int(parse_tiny_spec(args.target_model)["vocab"])
                   if args.target_model.strip().lower().startswith("tiny") else None)
     prompts = [(p.name, encode(p, tok, chat=True, tiny_vocab=tiny_vocab)) for p in select(args.num_prompts)]
+    anchor = ServingAnchor.create(args.llama_server, args.target_model, args.threads, [ids for _, ids in prompts],
+                                  args.max_new_tokens, args.log_dir)  # before the stack: it may install llama-server
     stack, base = start_stack(args)
+    anchor.threads = stack.target_threads  # the same threads as specdec's target
     startup_s = time.time() - t_begin
     pids = {p.name: p.proc.pid for p in stack.services() if p.proc is not None}
     if stack.redis is not None and stack.redis.proc is not None:
@@ -356,6 +362,10 @@ def run(args: argparse.Namespace) -> dict:
             row = level_row("concurrency", n, got["speculative"][0], got["target_only"][0],
                             same_outputs(got["speculative"][1], got["target_only"][1]))
             row["rss_mib_peak"] = {k: max(got[m][0]["rss_mib_peak"].get(k, 0.0) for m in MODES) for k in pids}
+            if anchor.binary:  # llama-server with -np n on the same requests, right after specdec's two modes
+                progress.set_postfix_str(f"{n} streams llama-server")
+                row.update(anchor.level(n, jobs, args.max_new_tokens, args.warmup_tokens, args.request_timeout_s,
+                                        {m: got[m][:2] for m in MODES}))
             levels.append(row)
             progress.write(_level_line(f"{n} streams", row), file=sys.stderr)
         rates = args.request_rates
@@ -385,7 +395,9 @@ def run(args: argparse.Namespace) -> dict:
         for c in clients:
             c.close()
         stack.stop()
-    return assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, load_begin)
+    res = assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, load_begin)
+    res["serving"]["llama_server"] = anchor.describe(levels)
+    return res
 
 
 def cache_bounds(stack) -> dict:

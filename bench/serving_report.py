@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+from bench.llama_server_rows import serving_markdown
+
 TARGET_LABELS = {
     "single_stream_ratio": "speculative >= {t}x target-only output tokens/s at 1 stream",
     "every_level_ratio": "speculative >= {t}x target-only output tokens/s at every concurrency",
@@ -86,6 +88,7 @@ def markdown(res: dict) -> str:
     lines += ["", f"Lowest ratio over the closed-loop levels: **{_f(s['min_ratio'], 2)}**.", "",
               "## Closed loop (N streams, each sends its next request when the last one ends)", "",
               "Every cell: speculative / target-only.", "", *table(s["levels"], "concurrency", "streams"), ""]
+    lines += serving_markdown(s)
     if s["poisson"]:
         lines += ["## Open loop (Poisson arrivals)", "",
                   f"{s['settings']['poisson_requests']} requests per rate, the same seeded schedule for both modes.",
@@ -111,6 +114,10 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
             (ax2, "tpot_p99_ms", "target_only_tpot_p99_ms", "p99 TPOT (ms)", "p99 time per output token")):
         ax.plot(n, [r[spec_key] for r in levels], "o-", color="tab:red", lw=2, label="speculative (specdec up)")
         ax.plot(n, [r[to_key] for r in levels], "s--", color="tab:gray", lw=2, label="target-only")
+        anchor = [(x, (r.get("llama_server") or {}).get(spec_key.replace("spec_", ""))) for x, r in zip(n, levels)]
+        if any(y is not None for _, y in anchor):
+            ax.plot([x for x, y in anchor if y is not None], [y for _, y in anchor if y is not None], "^:",
+                    color="tab:blue", lw=2, label="llama-server -np N")
         ax.set_xscale("log", base=2)
         ax.set_xticks(n)
         ax.set_xticklabels([str(x) for x in n])

@@ -16,6 +16,7 @@ TARGETS = [
     ("measured_over_predicted", 0.9, "measured / predicted speedup >= 0.9"),
     ("throughput_8_sessions_vs_1", 2.0, "8 concurrent sessions >= 2x the aggregate throughput of 1"),
     ("system_overhead_share", 0.05, "per-step gRPC + Redis overhead on the critical path < 5% of a target step"),
+    ("target_only_vs_llamacpp", 0.97, "specdec target-only >= 0.97x plain llama.cpp on the same cores"),
 ]
 LOWER_IS_BETTER = {"system_overhead_share"}
 
@@ -349,6 +350,13 @@ def _why(key: str, value: float, thr: float, head: dict, cfgs: dict, res: dict) 
                 "the steps were target-only Decode calls (nothing drafted, speculation paused by the goodput draft "
                 "length or shed by the load switch; the target batches their single-token steps too)"
                 + _cpu_why(r1, r8, res["machine"]["cpus"]))
+    if key == "target_only_vs_llamacpp":
+        b = (res.get("overheads") or {}).get("target_only_ms_per_token") or {}
+        return (f"not met: {_fmt(res.get('target_only_tokens_per_s'))} vs {_fmt(res.get('llamacpp_tokens_per_s'))} "
+                f"tok/s; per token {_fmt(b.get('client_wall'))} ms, of which the engine "
+                f"{_fmt(b.get('target_engine'))}, target round trips waited beyond it "
+                f"{_fmt(b.get('target_rpc_beyond_engine'))}, Redis commits waited {_fmt(b.get('redis_commit_critical'))},"
+                f" the rest {_fmt(b.get('orchestrator_and_client_rest'))} (plain llama.cpp {_fmt(b.get('llamacpp'))})")
     return ""
 
 

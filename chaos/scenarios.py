@@ -196,8 +196,40 @@ class Scenario:
                 "accepted": st.get("draft_tokens_accepted", 0), "draft_failures": st.get("draft_failures_by_kind", {}),
                 "resumes": r.resumes, "retries": r.retries, "error": r.error}
 
+    def _stalls(self, recs) -> tuple[list, float, list, dict]:
+        """(every gap between a stream's messages as (time, ms, request), the longest, those inside the fault
+        window, the stall bound from the target's own Verify time over the requests that overlapped it)."""
+        tl, h = self.timeline, self.h
+        gaps = [(t, g, r.index) for r in recs for t, g in r.gaps_ms]
+        max_stall = max((g for _, g, _ in gaps), default=0.0)
+        window = [(t, g, i) for t, g, i in gaps if tl.injected is not None and t >= tl.injected
+                  and (tl.settled is None or t - g / 1e3 <= tl.settled)]
+        overlap = [r for r in recs if tl.injected is not None and r.end >= tl.injected
+                   and r.start <= (tl.settled or r.start)] or recs
+        v_ms = sum(float(r.stats.get("verify_ms", 0.0) or 0.0) for r in overlap)
+        v_n = sum(int(r.stats.get("verify_steps", 0) or 0) for r in overlap)
+        return gaps, max_stall, window, h.stall_bound(v_ms / v_n if v_n else h.baseline["target_step_ms"])
+
+    def _fault_detail(self, fault_s: float, trigger: int) -> dict:
+        tl = self.timeline
+        return {"victims": self.fault.victims, "trigger_tokens": trigger, "hold_s": round(fault_s, 2),
+                "injected_at_s": tl.rel(tl.injected), "heal_started_at_s": tl.rel(tl.heal_started),
+                "healed_at_s": tl.rel(tl.healed), "settled_at_s": tl.rel(tl.settled), "settled": tl.settled_ok,
+                "outage_s": round(tl.healed - tl.injected, 2) if tl.healed and tl.injected else None,
+                "error": tl.error, **self.fault.details()}
+
+    def _config(self) -> dict:
+        o, h = self.opts, self.h
+        return {"seed": o.seed, "quick": o.quick, "concurrency": o.concurrency, "max_new_tokens": o.max_new_tokens,
+                "draft_replicas": len(h.stack.drafts), "target_replicas": len(h.stack.targets),
+                "draft_timeout_floor_ms": o.draft_timeout_floor_ms, "draft_timeout_factor": o.draft_timeout_factor,
+                "breaker_open_s": o.breaker_open_s, "target_grace_s": o.target_grace_s,
+                "store_grace_s": o.store_grace_s, "fallback_chunk": o.fallback_chunk,
+                "slow_latency_ms": o.slow_latency_ms, "target_model": o.target_model,
+                "draft_strategy": h.stack.draft_strategy}
+
     def result(self, fault_s: float, trigger: int) -> dict:
-        o, tl, h = self.opts, self.timeline, self.h
+        tl, h = self.timeline, self.h
         recs = self.records
         completed = [r for r in recs if r.completed]
         failed = [r for r in recs if not r.completed]
@@ -214,17 +246,8 @@ class Scenario:
         post_accepted = sum(int(r.stats.get("draft_tokens_accepted", 0) or 0) for r in post)
         resumed = (bool(post) and all(r.completed for r in post) and all(v > 0 for v in post_verify)
                    and post_accepted > 0)
-        gaps = [(t, g, r.index) for r in recs for t, g in r.gaps_ms]
-        max_stall = max((g for _, g, _ in gaps), default=0.0)
-        window = [(t, g, i) for t, g, i in gaps if tl.injected is not None and t >= tl.injected
-                  and (tl.settled is None or t - g / 1e3 <= tl.settled)]
+        gaps, max_stall, window, bound = self._stalls(recs)
         lat = [r.latency_ms for r in completed]
-        # The target's own Verify time over the requests that overlapped the fault window.
-        overlap = [r for r in recs if tl.injected is not None and r.end >= tl.injected
-                   and r.start <= (tl.settled or r.start)] or recs
-        v_ms = sum(float(r.stats.get("verify_ms", 0.0) or 0.0) for r in overlap)
-        v_n = sum(int(r.stats.get("verify_steps", 0) or 0) for r in overlap)
-        bound = h.stall_bound(v_ms / v_n if v_n else h.baseline["target_step_ms"])
         store_bad, store_notes = self._store_check()
         serving = self._healed_replica_serving(post)
         end = max((r.end for r in recs), default=time.monotonic())
@@ -267,20 +290,8 @@ class Scenario:
             "p95_latency_ms": round(_pct(lat, 0.95), 1),
             "duration_s": round(end - tl.start, 2),
             "tokens": sum(len(r.tokens) for r in recs),
-            "fault": {"victims": self.fault.victims, "trigger_tokens": trigger, "hold_s": round(fault_s, 2),
-                      "injected_at_s": tl.rel(tl.injected), "heal_started_at_s": tl.rel(tl.heal_started),
-                      "healed_at_s": tl.rel(tl.healed), "settled_at_s": tl.rel(tl.settled),
-                      "settled": tl.settled_ok,
-                      "outage_s": round(tl.healed - tl.injected, 2) if tl.healed and tl.injected else None,
-                      "error": tl.error, **self.fault.details()},
-            "config": {"seed": o.seed, "quick": o.quick, "concurrency": o.concurrency,
-                       "max_new_tokens": o.max_new_tokens, "draft_replicas": len(h.stack.drafts),
-                       "target_replicas": len(h.stack.targets),
-                       "draft_timeout_floor_ms": o.draft_timeout_floor_ms,
-                       "draft_timeout_factor": o.draft_timeout_factor, "breaker_open_s": o.breaker_open_s,
-                       "target_grace_s": o.target_grace_s, "store_grace_s": o.store_grace_s,
-                       "fallback_chunk": o.fallback_chunk, "slow_latency_ms": o.slow_latency_ms,
-                       "target_model": o.target_model, "draft_strategy": h.stack.draft_strategy},
+            "fault": self._fault_detail(fault_s, trigger),
+            "config": self._config(),
             "baseline": h.baseline,
             "errors": sorted({e for r in recs for e in r.errors})[:5],
             "failures": [f"request {r.index}: {r.error}" for r in failed][:5],

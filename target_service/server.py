@@ -11,12 +11,14 @@ import grpc
 
 from specdec import observability as telemetry
 from specdec.core import wire
-from specdec.core.grpc_util import RpcAbort, ServiceServer, handle_errors, require_session_id
+from specdec.core.grpc_util import (RpcAbort, ServiceServer, call_deadline, handle_errors, handle_stream_errors,
+                                    require_session_id)
 from specdec.ops.service import add_service_arguments, prepare_process, run_until_signal
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engines import select as engines
 from target_service.engines.base import TargetBackend
 from target_service.settings import TargetSettings
+from target_service.streaming import start_decode_stream
 
 PROFILE_MAX_TOKENS = 64  # the longest forward the start-up profile times (a few seconds in all)
 
@@ -138,6 +140,48 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             set(request.stop_token_ids),
         )
         return target_pb2.DecodeResponse(tokens=tokens, cached_len=cached_len, decode_ms=ms)
+
+    # A stream ends by itself this long (at most) before its deadline, after a block: the caller opens the next one
+    # instead of seeing DEADLINE_EXCEEDED, which would count against a target that is only busy.
+    STREAM_END_MARGIN_S = 2.0
+
+    @handle_stream_errors
+    def DecodeStream(self, request, context):
+        sid = require_session_id(request.session_id)
+        prefix_len, delta = self._delta(request.delta)
+        params = wire.sampling_from_proto(request.sampling)
+        limit = self.engine.loaded.max_context
+        if not 1 <= request.max_tokens <= limit:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{limit}")
+        telemetry.annotate(session_id=sid, max_tokens=request.max_tokens, stream=True)
+        self._injected_latency()
+        stream = start_decode_stream(self.engine, sid, prefix_len, delta, request.max_tokens, params,
+                                     request.sampling.seed, request.step, set(request.stop_token_ids))
+        context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
+        deadline, sent = call_deadline(), 0
+        want = max(1, request.first_block_tokens or request.block_tokens)
+        margin = 0.0 if deadline is None else min(self.STREAM_END_MARGIN_S, 0.2 * (deadline - time.monotonic()))
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if sent and left is not None and left <= margin:
+                    return  # a clean end before the deadline; the caller continues with a new stream
+                try:
+                    block = stream.take(want, None if left is None else max(0.0, left - margin) if sent else left)
+                except TimeoutError:
+                    if sent:
+                        return  # no token since the last block before the margin: the clean end, as above
+                    raise
+                if block.tokens:
+                    sent += 1
+                    yield target_pb2.DecodeResponse(tokens=block.tokens, cached_len=block.cached_len,
+                                                    decode_ms=block.decode_ms)
+                if block.finished:
+                    return
+                want = max(1, request.block_tokens)
+                self._injected_latency()
+        finally:
+            stream.cancel()
 
     def _injected_latency(self) -> None:
         if self.latency_enabled:

@@ -33,7 +33,7 @@ def redis_url(redis_server):
 # longest first. They are collected first, so pytest-xdist hands them out at the start and the run ends on short
 # tests: alphabetically the distribution tests came last, and one worker ran a minute-long test alone at the end.
 LONG_MODULES_FIRST = ("test_sampling_distribution_e2e.py", "test_tree_distribution_e2e.py", "test_multihost.py",
-                      "test_cli.py", "test_llamacpp_engine.py", "test_http_api.py", "test_models.py",
+                      "test_cli.py", "test_llamacpp_engine.py", "test_http_api.py", "test_openapi.py", "test_models.py",
                       "test_processes.py", "test_serving_bench.py", "test_redis_sentinel.py", "test_datastore.py",
                       "test_target_pool.py")
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.server import build_server as build_draft_server
-from orchestrator.settings import LoopConfig
+from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
 from orchestrator.replicas.local_draft import build_local_client, is_local
-from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
+from orchestrator.api.server import Connections, OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
 from orchestrator.replicas.clients import TargetClient
 from orchestrator.replicas.draft_pool import DraftPool
 from orchestrator.store.session_store import open_store
@@ -141,10 +141,21 @@ def start_stack(redis_url: str, target: str = TARGET, draft: str | list[str] | N
     # Generous draft deadline: these tests check outputs, and the shared CPU makes timing noisy. A fixed draft
     # length: tests count steps.
     cfg = cfg or LoopConfig(default_draft_len=draft_len, adaptive_draft_len=False, draft_timeout_floor_ms=5000)
-    servicer = OrchestratorServicer(target_client, pool, open_store(redis_url), tl.tokenizer, target_info,
-                                    cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs)
+    servicer = OrchestratorServicer(orchestrator_settings(cfg, max_new_tokens_limit=max_new_tokens_limit, **servicer_kwargs),
+                                    Connections(target_client, pool, open_store(redis_url), tl.tokenizer, target_info))
     osrv = build_orchestrator_server(servicer, "127.0.0.1:0").start()
     return Stack(tsrv, dservers, osrv, servicer, engine, SpecdecClient(osrv.address, timeout_s=120))
+
+
+def orchestrator_settings(cfg: LoopConfig | None = None, *, auth_tokens=(), admin_tokens=(), max_running: int = 0,
+                          adaptive_admission: bool = True, max_active_sessions: int | None = None,
+                          **server) -> OrchestratorSettings:
+    """An orchestrator's settings as a test names them (ServerSettings fields in `server`)."""
+    if max_active_sessions is not None:
+        server["max_sessions"] = max_active_sessions
+    server = ServerSettings(max_running=str(max_running or "auto"), admission="adaptive" if adaptive_admission
+                            else "static", **server)
+    return OrchestratorSettings(server, cfg or LoopConfig(), list(auth_tokens), list(admin_tokens))
 
 
 def loop_state(rec=None, cfg: LoopConfig | None = None, vocab_size: int = 100, pool=None, **measured):
@@ -154,6 +165,7 @@ def loop_state(rec=None, cfg: LoopConfig | None = None, vocab_size: int = 100, p
     from orchestrator.store.session_store import SessionRecord
 
     rec = rec if rec is not None else SessionRecord("s", [1, 2, 3], {})
+    rec.params.draft_len_limit = rec.params.draft_len_limit or (cfg or LoopConfig()).max_draft_len  # as admitted
     return LoopState(rec, cfg or LoopConfig(), Backends(None, pool, None, set(), vocab_size), Measurements(**measured),
                      StreamControl())
 

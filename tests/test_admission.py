@@ -11,7 +11,7 @@ import httpx2 as httpx
 import pytest
 
 from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeout
-from orchestrator.http_api import HttpServer
+from orchestrator.api.http import HttpServer
 from orchestrator.replicas.target_pool import merge_infos
 from specdec import observability as telemetry
 from specdec.v1 import common_pb2

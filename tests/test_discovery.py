@@ -11,8 +11,9 @@ import pytest
 from orchestrator.replicas.clients import TargetClient
 from orchestrator.replicas.discovery import Discovery, DnsName, parse_dns, resolve_getaddrinfo
 from orchestrator.replicas.draft_pool import OPEN, DraftPool
-from orchestrator.settings import LoopConfig
-from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server, check_compatible
+from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
+from orchestrator.api.server import (Connections, OrchestratorServicer, build_server as build_orchestrator_server,
+                                     check_compatible)
 from orchestrator.store.session_store import open_store
 from specdec.client import SpecdecClient
 from specdec.core.kv_cache import SessionCacheStore
@@ -244,8 +245,9 @@ class DnsStack:
         self.pool = DraftPool(["dns:///draft.test:%d" % dns.port], resolve=dns, resolve_interval_s=0.1,
                               on_info=lambda replica, info: check_compatible(target_info, info))
         cfg = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=5000)
-        self.servicer = OrchestratorServicer(target, self.pool, open_store(redis_url), tl.tokenizer, target_info, cfg,
-                                             max_new_tokens_limit=512)
+        self.servicer = OrchestratorServicer(
+            OrchestratorSettings(ServerSettings(max_new_tokens_limit=512), cfg),
+            Connections(target, self.pool, open_store(redis_url), tl.tokenizer, target_info))
         self.server = build_orchestrator_server(self.servicer, "127.0.0.1:0").start()
         self.client = SpecdecClient(self.server.address, timeout_s=120)
 

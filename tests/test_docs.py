@@ -14,8 +14,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README_MAX_LINES = 200
-# "session 12", "Session-7", "session_3", "session13": a work-session number, not a decoding session.
-RUN_LOG_PATTERN = re.compile(r"\bsession[\s_-]*\d", re.IGNORECASE)
+# "session 12", "Session-7", "session_3", "session13": a work-session number, not a decoding session; also broken
+# over a line, where the next line may open with a comment marker ("session\n    # 18").
+RUN_LOG_PATTERN = re.compile(r"\bsession[ \t_-]*(?:\n[ \t]*(?:#|//|\*|--)?[ \t]*)?\d", re.IGNORECASE)
 LINK_PATTERN = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)")  # [text](target) and ![alt](target)
 
 
@@ -58,7 +59,7 @@ def test_configuration_check_fails_on_a_stale_file_and_passes_once_regenerated(t
     assert gen.main(["--check"]) == 0
 
 
-def test_configuration_table_is_read_from_any_parser():
+def test_configuration_flags_are_read_from_any_parser():
     gen = _gen_module()
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--widget-count", type=int, default=7, help="how many | widgets")
@@ -66,11 +67,14 @@ def test_configuration_table_is_read_from_any_parser():
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--name")
     p.set_defaults(name="x")
-    table = gen.render_table(p)
-    assert "| `--widget-count` | `7` | how many \\| widgets |" in table
-    assert "| `--mode` `a\\|b` | `b` |" in table
-    assert "| `--fast`, `--no-fast` | on |" in table
-    assert "| `--name` | `x` |" in table
+    p.add_argument("--long", help="a help text " * 30)
+    flags = gen.render_flags(p)
+    assert "- `--widget-count` (default `7`): how many | widgets" in flags
+    assert "- `--mode` `a|b` (default `b`)" in flags
+    assert "- `--fast`, `--no-fast` (default on)" in flags
+    assert "- `--name` (default `x`)" in flags
+    assert max(len(line) for line in flags.splitlines()) <= gen.WIDTH  # a long help is wrapped
+    assert flags.count("- `--") == 5 and flags.count("\n  ") >= 3  # its continuation lines indented
 
 
 def test_configuration_defaults_do_not_depend_on_the_environment(monkeypatch):
@@ -78,6 +82,17 @@ def test_configuration_defaults_do_not_depend_on_the_environment(monkeypatch):
     monkeypatch.setenv("SPECDEC_TLS_CERT", "/tmp/from-the-environment.pem")
     assert "from-the-environment" not in gen.render()
     assert os.environ["SPECDEC_TLS_CERT"] == "/tmp/from-the-environment.pem"  # restored
+
+
+DOC_LINE_MAX = 300
+
+
+@pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_lines_are_wrapped(doc):
+    """No line over DOC_LINE_MAX characters: prose is wrapped, and a table whose rows would be longer is a list."""
+    long = [f"{n}: {len(line)} characters" for n, line in enumerate(doc.read_text().splitlines(), 1)
+            if len(line) > DOC_LINE_MAX]
+    assert not long, f"{doc.relative_to(ROOT)}: lines over {DOC_LINE_MAX} characters (wrap them): {long}"
 
 
 def test_readme_is_short():
@@ -96,16 +111,17 @@ def test_no_run_log_outside_tests():
             text = (ROOT / rel).read_text(encoding="utf-8")
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
             continue  # binary (plots) or deleted in the work tree
-        for n, line in enumerate(text.splitlines(), 1):
-            if RUN_LOG_PATTERN.search(line):
-                found.append(f"{rel}:{n}: {line.strip()[:120]}")
+        for m in RUN_LOG_PATTERN.finditer(text):
+            n = text.count("\n", 0, m.start()) + 1
+            found.append(f"{rel}:{n}: {' '.join(m.group().split())[:120]}")
     assert not found, "past-run references (say what the design is and what it measures instead):\n" + "\n".join(found)
 
 
 def test_run_log_pattern():
-    for text in ["Session 23: ...", "session 12 ran", "session-7 CPU", "bench/results/session8/x", "SESSION_3"]:
+    for text in ["Session 23: ...", "session 12 ran", "session-7 CPU", "bench/results/session8/x", "SESSION_3",
+                 "an EPYC (session\n    18)", "a run (session\n    # 18)", "session\n// 4"]:
         assert RUN_LOG_PATTERN.search(text), text
-    for text in ["8 sessions 2.10x", "session_id", "sessions 4", "per session, 2 tokens"]:
+    for text in ["8 sessions 2.10x", "session_id", "sessions 4", "per session, 2 tokens", "a session\n\n1. next"]:
         assert not RUN_LOG_PATTERN.search(text), text
 
 

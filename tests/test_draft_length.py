@@ -5,7 +5,7 @@ import math
 import pytest
 
 from orchestrator.policy.draft_length import (AcceptancePrior, DraftLength, GoodputDraftLength, TargetCost,
-                                      expected_accepted_length, make_draft_length)
+                                      Evidence, expected_accepted_length, make_draft_length)
 
 FLAT_TO_6 = [60.0, 70, 70, 70, 70, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]  # a CPU-like profile
 
@@ -149,10 +149,10 @@ def test_goodput_stops_speculating_when_the_step_overhead_outweighs_it():
 
 
 def test_goodput_needs_a_profile_else_heuristic():
-    assert isinstance(make_draft_length(4, 16, True, "goodput", TargetCost(FLAT_TO_6)), GoodputDraftLength)
-    assert isinstance(make_draft_length(4, 16, True, "goodput", None), DraftLength)
-    assert isinstance(make_draft_length(4, 16, True, "heuristic", TargetCost(FLAT_TO_6)), DraftLength)
-    fixed = make_draft_length(4, 16, False, "goodput", TargetCost(FLAT_TO_6))
+    assert isinstance(make_draft_length(4, 16, True, "goodput", Evidence(TargetCost(FLAT_TO_6))), GoodputDraftLength)
+    assert isinstance(make_draft_length(4, 16, True, "goodput", Evidence(None)), DraftLength)
+    assert isinstance(make_draft_length(4, 16, True, "heuristic", Evidence(TargetCost(FLAT_TO_6))), DraftLength)
+    fixed = make_draft_length(4, 16, False, "goodput", Evidence(TargetCost(FLAT_TO_6)))
     assert isinstance(fixed, DraftLength) and not fixed.adaptive
     assert GoodputDraftLength(16, TargetCost(FLAT_TO_6[:3])).max_len == 2  # never beyond the profile
 

@@ -139,3 +139,91 @@ def test_a_draft_server_watched_by_several_orchestrators_stops_promptly():
         finally:
             for p in pools:
                 p.close()
+
+
+@pytest.mark.serial  # time bounds on a server's stop
+def test_a_server_with_several_health_watch_streams_open_stops_cleanly_every_time():
+    """Standing Health.Watch streams (a draft pool of an older orchestrator, a gRPC health prober) on a server that
+    stops: grpc's health servicer pushed NOT_SERVING to them while holding the lock a closing stream's callback
+    needs, and a stop() hung. Each watcher must see NOT_SERVING and its stream end, and the stop return promptly,
+    many times in a row (each stop on a thread, so that a hang fails the test instead of holding it)."""
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec.core.grpc_util import ServiceServer, make_channel
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for attempt in range(12):
+        server = ServiceServer("127.0.0.1:0").start()
+        channels = [make_channel(server.address) for _ in range(5)]
+        seen: list[list[int]] = [[] for _ in channels]
+
+        def watch(channel, out):
+            try:
+                for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="")):
+                    out.append(reply.status)
+            except grpc.RpcError:
+                out.append(-1)  # cancelled by the server's stop instead of ended by it
+
+        readers = [threading.Thread(target=watch, args=(c, out), daemon=True) for c, out in zip(channels, seen)]
+        try:
+            for r in readers:
+                r.start()
+            assert _wait(lambda: all(out[:1] == [serving] for out in seen), 5.0)
+            stopper = threading.Thread(target=server.stop, args=(1.0,), daemon=True)
+            t0 = time.monotonic()
+            stopper.start()
+            stopper.join(4.0)
+            assert not stopper.is_alive(), f"stop {attempt} still running after {time.monotonic() - t0:.1f} s"
+            for r in readers:
+                r.join(2.0)
+            assert all(out == [serving, not_serving] for out in seen), (attempt, seen)
+        finally:
+            for c in channels:
+                c.close()
+
+
+def test_a_target_restarted_with_another_model_is_checked_again_before_it_gets_sessions():
+    """A target replica goes away and a server with another model comes up on its address: once its breaker opened
+    (or a health check failed) its ModelInfo counts as unchecked, it gets no session until asked again, and then
+    it is refused; restarted with the right model once more, it serves again."""
+    from orchestrator.replicas.target_pool import IncompatibleTargets, TargetPool, model_mismatch
+    from specdec.v1 import common_pb2
+
+    reference = common_pb2.ModelInfo(model_name="m", vocab_size=64, tokenizer_fingerprint="tok-a", max_context=128)
+    other = common_pb2.ModelInfo(model_name="other", vocab_size=64, tokenizer_fingerprint="tok-b", max_context=128)
+    now_serving = [reference]
+
+    def check(replica, info):
+        problem = model_mismatch(reference, info)
+        if problem:
+            raise IncompatibleTargets(problem)
+
+    pool = TargetPool(["127.0.0.1:1"], on_info=check, health_interval_s=3600)
+    try:
+        replica = pool.replicas[0]
+        replica.client.close()  # a stand-in answers GetInfo for whatever server is on the address
+        replica.client = types.SimpleNamespace(info=lambda timeout=None: now_serving[0], close=lambda: None,
+                                               release_async=lambda *a, **k: None)
+        pool._ask_info(replica)
+        assert pool.place("s1") is replica
+        pool.leave(replica)
+        replica.breaker.failure()
+        replica.breaker.failure()  # the calls failed: it went away (the breaker opens)
+        assert replica.breaker.state == OPEN and replica.info is None
+        now_serving[0] = other  # what answers on its address now
+        replica.breaker.health_ok()
+        assert pool.place("s2") is None  # healthy again, but not checked yet: no session
+        pool._ask_info(replica)  # the health loop's next passing check
+        assert replica.refused and "model" in replica.refused
+        assert pool.place("s3") is None and not pool.any_available()
+        replica.breaker.health_failed()
+        pool._recheck(replica)  # the health loop on a failed check: restarted once more, with the right model
+        now_serving[0] = reference
+        replica.breaker.health_ok()
+        pool._ask_info(replica)
+        assert replica.refused is None and pool.place("s4") is replica
+    finally:
+        pool.close()

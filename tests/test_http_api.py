@@ -14,7 +14,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from orchestrator.http_api import SESSION_HEADER, HttpServer
+from orchestrator.api.http import SESSION_HEADER, HttpServer
 from orchestrator.api.server import principal_of
 from orchestrator.store.session_store import open_store
 from tests.harness import DRAFT_EARLY, TARGET, start_stack
@@ -342,7 +342,7 @@ def test_a_dropped_stream_resumes_from_token_n(stack, client):
 
 def test_a_session_resumes_on_a_restarted_orchestrator(stack, redis_url):
     """The session lives in Redis: a new orchestrator (servicer + HTTP server) on the same store goes on with it."""
-    from orchestrator.api.server import OrchestratorServicer
+    from orchestrator.api.server import Connections, OrchestratorServicer
 
     reference = stack.client.generate(PROMPT_IDS, max_new_tokens=30, ignore_eos=True, speculation=False)
     first = httpx.post(stack.http.url + "/v1/completions", json={
@@ -350,8 +350,8 @@ def test_a_session_resumes_on_a_restarted_orchestrator(stack, redis_url):
         "stream": False}, timeout=60).json()
     sid = first["specdec"]["session_id"]
     s = stack.servicer
-    fresh = OrchestratorServicer(s.target, s.pool, open_store(redis_url), s.tokenizer, s.target_info, s.cfg,
-                                 max_new_tokens_limit=s.max_new_tokens_limit)
+    fresh = OrchestratorServicer(s.settings, Connections(s.target, s.pool, open_store(redis_url), s.tokenizer,
+                                                         s.target_info))
     other = HttpServer("127.0.0.1:0").start(fresh)
     try:
         r = httpx.post(f"{other.url}/v1/sessions/{sid}/resume",

@@ -126,12 +126,12 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
         engine.prefill(f"both{i}", 0, ids[:-3])  # the rest arrives with the block, as a Verify's delta
         jobs.append(VerifyJob(f"both{i}", len(ids) - 3, ids[-3:], block, None, GREEDY, 0, 0))
     calls = []
-    forward = engine._forward
-    engine._forward = lambda rows: calls.append(len(rows)) or forward(rows)
+    decode = engine._decode
+    engine._decode = lambda entries, *a: calls.append(len({e[0] for e in entries})) or decode(entries, *a)
     try:
         engine.verify_many(jobs)
     finally:
-        del engine._forward
+        del engine._decode
     assert calls == [2]  # one llama_decode for both sessions' rows
     for job, (ids, ref, _) in zip(jobs, alone):
         out = job.outcome()
@@ -143,9 +143,8 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
         engine.release(sid)
 
 
-@pytest.mark.serial  # two sessions must meet in the batch window
-def test_concurrent_sessions_share_batches_through_the_batcher():
-    batched = make_engine(batch_window_ms=50.0, max_batch=4)
+def test_concurrent_sessions_share_the_engines_steps():
+    batched = make_engine(batch_window_ms=5.0, max_batch=4)
     try:
         ids = [prompt_ids(batched, p) for p in PROMPTS]
         solo = [batched.decode(f"solo{i}", 0, p, 10, GREEDY, 0, 0)[0] for i, p in enumerate(ids)]
@@ -154,13 +153,14 @@ def test_concurrent_sessions_share_batches_through_the_batcher():
         def run(i):
             results[i] = batched.decode(f"pair{i}", 0, ids[i], 10, GREEDY, 0, 0)[0]
 
+        steps, works = batched.steps, batched.step_works
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
         assert [results[0], results[1]] == solo
-        assert batched.batcher.batched_jobs > batched.batcher.batches  # some forward held both sessions
+        assert batched.step_works - works > batched.steps - steps  # some llama_decode held both sessions
     finally:
         batched.close()
 
@@ -502,10 +502,10 @@ def test_a_prompt_batched_with_others_is_computed_as_it_is_alone():
         small.close()
 
 
-def test_a_decode_call_is_one_hand_off_to_the_compute_thread_and_greedy_as_the_argmax_of_each_step(engine):
-    """A target-only Decode runs all its steps on the compute thread (a hand-off per token cost two thread wake-ups)
-    and takes each step's logits row from llama.cpp's buffer without copying it; its greedy tokens are still those
-    of sampling.greedy_tokens over each step's own forward."""
+def test_a_decode_call_runs_on_the_compute_thread_and_greedy_as_the_argmax_of_each_step(engine):
+    """A target-only Decode's steps never leave the step loop's thread (no hand-off per token: each cost two thread
+    wake-ups) and take each step's logits row from llama.cpp's buffer without copying it; its greedy tokens are
+    still those of sampling.greedy_tokens over each step's own forward."""
     import numpy as np
 
     ids = prompt_ids(engine, PROMPTS[1])
@@ -518,56 +518,48 @@ def test_a_decode_call_is_one_hand_off_to_the_compute_thread_and_greedy_as_the_a
             last = engine._forward([(seq, ref[-1:], 1)])[0]
     engine.release("argmax-ref")
 
-    submits, rows = [], []
-    real_submit, real_forward = engine._compute.submit, engine._forward
+    calls, rows, threads = [], [], set()
+    real_call, real_decode = engine._on_compute, engine._decode
 
-    def counting_submit(fn, *args):
-        submits.append(fn)
-        return real_submit(fn, *args)
+    def counting_call(fn, *args):  # a hand-off: a call from another thread onto the compute thread
+        if threading.current_thread().name != "llama-compute":
+            calls.append(fn)
+        return real_call(fn, *args)
 
-    def recording_forward(batch_rows):
-        out = real_forward(batch_rows)
-        rows.extend(out)
+    def recording_decode(entries, *args):
+        out = real_decode(entries, *args)
+        threads.add(threading.current_thread().name)
         buffer = np.ctypeslib.as_array(engine._ll.llama_get_logits(engine._ctx), shape=(1, engine.vocab_size))
-        assert all(np.shares_memory(r, buffer) for r in out), "a step's logits row was copied"
+        assert np.shares_memory(out, buffer), "a step's logits row was copied"
+        rows.append(len(out))
         return out
 
     engine.prefill("argmax", 0, ids[:-1])
-    engine._compute.submit, engine._forward = counting_submit, recording_forward
+    engine._on_compute, engine._decode = counting_call, recording_decode
     try:
         tokens, cached, _ = engine.decode("argmax", len(ids) - 1, ids[-1:], n, GREEDY, 0, 0)
     finally:
-        del engine._compute.submit, engine._forward
+        del engine._on_compute, engine._decode
         engine.release("argmax")
     assert tokens == ref and cached == len(ids) + n - 1
-    assert len(submits) == 1 and len(rows) == n
+    assert not calls and rows == [1] * n and threads == {"llama-compute"}
 
 
-def test_a_batched_decode_keeps_its_sequence_while_another_session_wants_one():
-    """Every stream in use (one session here) and another session arriving between a batched Decode's steps: the
-    Decode keeps its sequence (the newcomer is refused, as when every stream is in its batch) instead of losing it
-    and ending in a cache-miss."""
-    e = make_engine(max_sessions=1, batch_window_ms=5.0)
+def test_a_stream_keeps_its_sequence_while_another_session_wants_one():
+    """Every stream in use (one session here) and another session arriving between a decode stream's steps: the
+    stream keeps its sequence (the newcomer is refused) instead of losing it and ending in a cache-miss."""
+    e = make_engine(max_sessions=1)
     try:
         ids = prompt_ids(e, PROMPTS[0])
-        ref = e.decode("ref", 0, ids, 6, GREEDY, 0, 0)[0]
+        ref = e.decode("ref", 0, ids, 12, GREEDY, 0, 0)[0]
         assert e.release("ref")
-        submit, intruded = e._submit, []
-
-        def step_then_intrude(job):
-            out = submit(job)
-            if not intruded:
-                try:
-                    e.prefill("intruder", 0, ids[:5])
-                    intruded.append("admitted")
-                except MemoryError as err:
-                    intruded.append(str(err))
-            return out
-
-        e._submit = step_then_intrude
-        tokens, cached, _ = e.decode("a", 0, ids, 6, GREEDY, 0, 0)
-        assert tokens == ref and cached == len(ids) + 5
-        assert len(intruded) == 1 and "inside a Decode call" in intruded[0]
-        assert "a" in e and not e._decoding
+        stream = e.decode_stream("a", 0, ids, 12, GREEDY, 0, 0)
+        tokens = list(stream.take(2, 60).tokens)
+        with pytest.raises(MemoryError, match="work in flight"):
+            e.prefill("intruder", 0, ids[:5])
+        while not (block := stream.take(1, 60)).finished:
+            tokens += block.tokens
+        assert tokens + block.tokens == ref and block.cached_len == len(ids) + 11
+        assert "a" in e and "intruder" not in e and not e._busy
     finally:
         e.close()

@@ -39,20 +39,21 @@ def make_engine(**kw):
 
 
 class Spy:
-    """The last-row logits of every forward an engine runs (through its real verify path)."""
+    """The last logits row of every llama_decode step an engine runs that wants logits (through its real verify
+    path; one session here)."""
 
     def __init__(self, monkeypatch, *engines):
         self.rows: list[np.ndarray] = []
         for engine in engines:
-            forward = engine._forward
+            decode = engine._decode
 
-            def spy(rows, forward=forward):
-                out = forward(rows)
-                if len(out[-1]):  # not a prefill
-                    self.rows.append(out[-1][-1].copy())
+            def spy(entries, *args, decode=decode):
+                out = decode(entries, *args)
+                if len(out):  # not a prompt piece
+                    self.rows.append(out[-1].copy())
                 return out
 
-            monkeypatch.setattr(engine, "_forward", spy)
+            monkeypatch.setattr(engine, "_decode", spy)
 
 
 def step(engine, session: str, committed: list[int], pos: int) -> tuple[int, bool]:

@@ -63,22 +63,23 @@ def test_local_errors_carry_grpc_codes():
 
 
 def test_orchestrator_start_up_builds_the_local_drafter(redis_url):
-    from orchestrator.settings import LoopConfig
     from orchestrator.api.server import build_servicer
+    from orchestrator.settings import OrchestratorSettings, ServerSettings
     from specdec.core.kv_cache import SessionCacheStore
     from target_service.engines.torch import TargetEngine
     from target_service.server import build_server as build_target_server
 
     target = build_target_server(TargetEngine(model(TARGET), SessionCacheStore()), "127.0.0.1:0").start()
     try:
-        servicer = build_servicer(target.address, "local:ngram", redis_url, TARGET, LoopConfig(),
-                                  local_datastore="none")
+        servicer = build_servicer(OrchestratorSettings(ServerSettings(
+            target=target.address, draft="local:ngram", redis=redis_url, tokenizer=TARGET, local_datastore="none")))
         replica = servicer.pool.replicas[0]
         assert isinstance(replica, LocalDraftReplica) and replica.info.strategy == "ngram"
         assert replica.info.tokenizer_fingerprint == model(TARGET).fingerprint
         servicer.pool.close()
         with pytest.raises(ValueError, match="local:model"):
-            build_servicer(target.address, "local:model", redis_url, TARGET, LoopConfig())
+            build_servicer(OrchestratorSettings(ServerSettings(target=target.address, draft="local:model",
+                                                               redis=redis_url, tokenizer=TARGET)))
     finally:
         target.stop(0)
 

@@ -160,34 +160,49 @@ def test_each_servers_add_arguments_still_builds_its_flags():
     from orchestrator.api import server as orchestrator
     from target_service import server as target
 
-    for module, flag, default in ((orchestrator, "--draft-len", 4), (target, "--max-draft-len", 16),
-                                  (draft, "--max-draft-len", 16)):
+    # --max-draft-len 0: the engine's own (target) or the strategy's own (draft) limit
+    for module, flag, default in ((orchestrator, "--draft-len", 4), (target, "--max-draft-len", 0),
+                                  (draft, "--max-draft-len", 0)):
         p = argparse.ArgumentParser()
         module.add_arguments(p)
         assert p._option_string_actions[flag].default == default
 
 
-def test_a_step_drafts_at_most_the_smallest_of_the_advertised_limits():
-    from orchestrator.loop.draft_call import replica_limit
+def test_a_request_is_admitted_with_the_smallest_of_the_advertised_draft_limits():
+    """The draft ceiling is resolved once, at admission (orchestrator/api/limits.py), into GenerationParams; the
+    loop's step reads it and nothing downstream clamps it again."""
+    from orchestrator.api.limits import RequestLimits, check_request, resolve_resumed, smallest_limit
     from orchestrator.loop.state import Backends, LoopState, Measurements, StreamControl
     from orchestrator.loop.step import Step
     from orchestrator.settings import LoopConfig
-    from specdec.v1 import common_pb2
+    from specdec.core.grpc_util import RpcAbort
+    from specdec.v1 import orchestrator_pb2 as opb
 
-    def step(target_limit: int, request: int = 0, server: int = 16) -> Step:
-        rec = SessionRecord("s", [1, 2], {"max_draft_len": request})
-        backends = Backends(None, None, None, set(), 100, target_max_draft_len=target_limit)
-        return Step(LoopState(rec, LoopConfig(default_draft_len=6, max_draft_len=server, adaptive_draft_len=False),
-                              backends, Measurements(), StreamControl()))
+    def admitted(request: int = 0, server: int = 16, target: int = 0, drafts: int = 0):
+        limits = RequestLimits(max_new_tokens=64, max_draft_len=smallest_limit(server, target, drafts),
+                               vocab_size=100, max_context=512, max_prompt_tokens=512)
+        req = opb.GenerateRequest(token_ids=opb.TokenIds(ids=[1, 2]), max_new_tokens=8, max_draft_len=request)
+        return check_request(req, limits, tokenizer=None)[1]
 
-    assert step(0).draft_len.k == 6          # a target that does not advertise one: the server's limit
-    assert step(3).draft_len.k == 3          # the target takes at most 3
-    assert step(16, request=2).draft_len.k == 2
-    assert step(16, server=5).draft_len.k == 5
-    replica = types.SimpleNamespace(info=common_pb2.ModelInfo(max_draft_len=2))
-    assert replica_limit(replica, 5) == 2    # the draft replica's own limit
-    assert replica_limit(types.SimpleNamespace(info=common_pb2.ModelInfo()), 5) == 5
-    assert replica_limit(types.SimpleNamespace(info=None), 5) == 5
+    def step(**kw) -> Step:
+        rec = SessionRecord("s", [1, 2], admitted(**kw))
+        cfg = LoopConfig(default_draft_len=6, max_draft_len=kw.get("server", 16), adaptive_draft_len=False)
+        return Step(LoopState(rec, cfg, Backends(None, None, None, set(), 100), Measurements(), StreamControl()))
+
+    assert admitted().draft_len_limit == 16                  # nothing else advertised: the orchestrator's limit
+    assert admitted(target=3).draft_len_limit == 3           # the target verifies at most 3
+    assert admitted(target=8, drafts=5).draft_len_limit == 5  # the drafts take at most 5
+    assert admitted(request=2, target=8).draft_len_limit == 8  # a request's own length is fixed, within it
+    with pytest.raises(RpcAbort, match="max_draft_len 9 exceeds the limit of 8"):
+        admitted(request=9, target=8)
+    assert step().draft_len.k == 6 and step(target=3).draft_len.k == 3 and step(request=2).draft_len.k == 2
+    assert step(server=5).draft_len.k == 5
+    resumed = admitted(request=12)  # stored when the services took 12; the target it resumes on takes 4
+    resolve_resumed(resumed, RequestLimits(64, 4, 100, 512, 512))
+    assert (resumed.max_draft_len, resumed.draft_len_limit) == (4, 4)
+    with pytest.raises(ValueError, match="resolved when it is admitted"):
+        LoopState(SessionRecord("s", [1, 2], {}), LoopConfig(), Backends(None, None, None, set(), 100),
+                  Measurements(), StreamControl())
 
 
 def test_services_advertise_the_longest_draft_they_take(redis_url):
@@ -197,6 +212,6 @@ def test_services_advertise_the_longest_draft_they_take(redis_url):
     try:
         assert s.servicer.target_info.max_draft_len == s.target_engine.max_draft_len == 16
         assert s.servicer.pool.replicas[0].info.max_draft_len == 16
-        assert s.servicer.backends.target_max_draft_len == 16
+        assert s.servicer.request_limits().max_draft_len == 16
     finally:
         s.stop()

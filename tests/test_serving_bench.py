@@ -188,6 +188,8 @@ def test_serving_bench_end_to_end_json_shape(tmp_path):
     assert {"target", "draft0", "orchestrator", "redis"} <= set(s["levels"][0]["rss_mib_peak"])
     assert s["memory"]["concurrency"] == 2 and set(s["memory"]["bounds"]) == {"target", "draft0"}
     assert s["stack"]["engine"] == "torch" and "GGUF" in s["stack"]["engine_reason"]  # a tiny HF model
+    assert s["llama_server"]["binary"] is None and "not a GGUF" in s["llama_server"]["found"]
+    assert all("llama_server" not in r for r in s["levels"])
     assert (tmp_path / "latest.md").read_text().startswith("# specdec serving benchmark")
     assert (tmp_path / "latest.png").stat().st_size > 0
     assert json.loads((tmp_path / "latest.json").read_text())["serving"]["levels"] == s["levels"]

@@ -22,12 +22,13 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
                 shed_above: int = 0) -> dict:
     """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry). Returns
     the sizes of the Decode calls, the Verify calls' block sizes, the Propose calls and the session's stats."""
-    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation})
+    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation, "draft_len_limit": 16})
     cfg = LoopConfig(speculation_max_sessions=shed_above)
     measured = Measurements(active_sessions=lambda: active, target_cost=TargetCost(profile))
     backends = Backends(None, types.SimpleNamespace(), None, set(), 100)
     step = Step(LoopState(rec, cfg, backends, measured, StreamControl()))
-    calls = {"decode": [], "verify": [], "propose": 0}
+    calls = {"decode": [], "verify": [], "propose": 0, "streams": []}
+    stream = {"left": 0}  # tokens the open decode stream has still to give
     replica = types.SimpleNamespace(address="local:ngram", info=None)
     step.draft.pick_replica = lambda: replica
 
@@ -39,14 +40,26 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
         return DraftReply(tokens, [], len(rec.committed) + len(tokens), 0.1, False), False
 
     def decode(n, degraded):
+        stream["left"] = 0  # any other call closes the open stream
+        calls["decode"].append(n)
+        return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
+
+    def stream_block(total, degraded):
+        if stream["left"] <= 0:
+            calls["streams"].append(total)
+            stream["left"] = total
+        n = min(cfg.fallback_chunk, stream["left"])
+        stream["left"] -= n
         calls["decode"].append(n)
         return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
 
     def verify(reply):
+        stream["left"] = 0
         calls["verify"].append(len(reply.tokens))
         return VerifyReply(0, 7, len(rec.committed), 20.0, False)  # every draft rejected
 
     step.draft.propose, step.target.decode, step.target.verify = propose, decode, verify
+    step.target.stream_block = stream_block
     for _ in range(4 * NEW_TOKENS):
         remaining = NEW_TOKENS - len(rec.generated)
         if remaining <= 0:
@@ -60,6 +73,7 @@ def test_a_load_shed_session_decodes_as_a_target_only_session_does():
     target_only = run_session(False, FLAT)
     shed = run_session(True, FLAT, active=4, shed_above=1, drafts=lambda i: [5, 6, 7])
     assert target_only["decode"] == [4] * 6 and target_only["propose"] == 0
+    assert target_only["streams"] == [NEW_TOKENS]  # one decode stream for the whole generation
     assert shed["stats"].load_shed_steps == 6
     assert shed["decode"] == target_only["decode"] and shed["verify"] == []
     assert shed["propose"] == 0  # no n-gram lookup while load-shed
@@ -75,6 +89,8 @@ def test_a_paused_session_whose_probe_finds_no_draft_pauses_again():
     assert paused["stats"].speculation_paused_steps > 0
     assert paused["decode"] == target_only["decode"] == [4] * 6
     assert paused["propose"] == len(paused["decode"]) // probes  # one lookup per probe, not one per step
+    # between two probes, one decode stream of the paused steps' tokens (none decoded past the next probe)
+    assert paused["streams"][0] == 4 * GoodputDraftLength.PROBE_EVERY
     assert paused["k"] == 0 or len(paused["decode"]) % probes == GoodputDraftLength.PROBE_EVERY
 
 

@@ -5,7 +5,7 @@ tests/test_sampling_distribution_e2e.py (local-suffix)."""
 
 import pytest
 
-from draft_service.proposers.suffix import MAX_SCORED_CONTEXT, SuffixProposer, token_scores
+from draft_service.proposers.suffix import MAX_SCORED_CONTEXT, SuffixLimits, SuffixProposer, token_scores
 from specdec.core.kv_cache import CacheMiss
 from specdec.core.sampling import SamplingParams
 
@@ -56,7 +56,7 @@ def test_resyncs_crops_and_misses():
 
 
 def test_sessions_and_principals_are_bounded():
-    p = SuffixProposer(vocab_size=100, max_sessions=2, max_principals=2, responses_per_principal=1)
+    p = SuffixProposer(vocab_size=100, limits=SuffixLimits(max_sessions=2, max_principals=2, responses_per_principal=1))
     for i in range(4):
         draft(p, f"s{i}", 0, [1, 2, 3], principal=f"u{i}")
     assert p.num_sessions() == 2 and len(p._caches) == 2

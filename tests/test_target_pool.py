@@ -111,7 +111,7 @@ def test_replicas_must_serve_the_same_model_and_the_pool_takes_the_strictest_lim
 
 def test_an_orchestrator_refuses_targets_of_different_models_at_start(redis_url):
     from orchestrator.api.server import build_servicer
-    from orchestrator.settings import LoopConfig
+    from orchestrator.settings import OrchestratorSettings, ServerSettings
     from specdec.core.grpc_util import StartupError
     from tests.harness import model
     from specdec.core.kv_cache import SessionCacheStore
@@ -123,8 +123,9 @@ def test_an_orchestrator_refuses_targets_of_different_models_at_start(redis_url)
                for spec in (TINY, other)]
     try:
         with pytest.raises(StartupError, match="--target: target replicas serve different models"):
-            build_servicer(",".join(s.address for s in servers), None, redis_url, TINY, LoopConfig(),
-                           startup_timeout_s=20)
+            build_servicer(OrchestratorSettings(ServerSettings(
+                target=",".join(s.address for s in servers), draft="", redis=redis_url, tokenizer=TINY,
+                startup_timeout_s=20)))
     finally:
         for s in servers:
             s.stop(0)
@@ -201,9 +202,9 @@ def test_up_with_two_targets_reports_both_and_a_generation_whose_target_is_kille
 def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_moves(redis_url):
     """dns:///NAME:PORT for targets: real target services on two loopback addresses behind a fake resolver;
     one appearing is used, one disappearing loses its sessions to the other, mid-generation, tokens unchanged."""
-    from orchestrator.api.server import OrchestratorServicer, build_server as build_orchestrator_server
+    from orchestrator.api.server import Connections, OrchestratorServicer, build_server as build_orchestrator_server
     from orchestrator.store.session_store import open_store
-    from orchestrator.settings import LoopConfig
+    from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
     from specdec.core.kv_cache import SessionCacheStore
     from target_service.engines.torch import TargetEngine
     from target_service.server import build_server as build_target_server
@@ -224,8 +225,9 @@ def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_move
     servicer = server = client = None
     try:
         target_info = pool.connect(20)
-        servicer = OrchestratorServicer(pool, None, open_store(redis_url), tl.tokenizer, target_info,
-                                        LoopConfig(target_grace_s=30), max_new_tokens_limit=900)
+        servicer = OrchestratorServicer(
+            OrchestratorSettings(ServerSettings(max_new_tokens_limit=900), LoopConfig(target_grace_s=30)),
+            Connections(pool, None, open_store(redis_url), tl.tokenizer, target_info))
         server = build_orchestrator_server(servicer, "127.0.0.1:0").start()
         client = SpecdecClient(server.address, timeout_s=120)
         prompt = [1, 5, 9, 12, 5, 9]

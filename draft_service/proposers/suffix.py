@@ -30,6 +30,19 @@ from specdec.core.sampling import SamplingParams
 MAX_SCORED_CONTEXT = 18  # matched tokens beyond this add no evidence: 2**18 is the top DraftEvidence bucket (8**6)
 
 
+@dataclass(frozen=True)
+class SuffixLimits:
+    """The trees' depth, how a draft follows its match (vLLM's defaults), and every bound."""
+    max_depth: int = 64  # tokens of context matched and of tree kept per path
+    max_spec_factor: float = 1.0  # at most this many drafted tokens per matched token (+ offset)
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # a draft stops where the path's estimated probability falls below this
+    max_sessions: int = 1024
+    max_tokens_per_session: int = 65536
+    max_principals: int = 256  # global trees kept, least recently used go first
+    responses_per_principal: int = 64  # outputs in one principal's global tree, oldest evicted first
+
+
 @dataclass
 class _Session:
     principal: str
@@ -43,18 +56,17 @@ class SuffixProposer(Proposer):
     strategy = "suffix"
     per_principal = True  # get_candidates takes the session's principal (ProposeRequest.principal)
 
-    def __init__(self, vocab_size: int, max_depth: int = 64, max_spec_factor: float = 1.0,
-                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1, max_sessions: int = 1024,
-                 max_tokens_per_session: int = 65536, max_principals: int = 256, responses_per_principal: int = 64):
+    def __init__(self, vocab_size: int, limits: SuffixLimits | None = None):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self._cache_class = SuffixDecodingCache
         self.vocab_size = vocab_size
-        self.max_depth = max_depth
-        self.max_spec_factor, self.max_spec_offset = max_spec_factor, max_spec_offset
-        self.min_token_prob = min_token_prob
-        self.max_sessions, self.max_tokens_per_session = max_sessions, max_tokens_per_session
-        self.max_principals, self.responses_per_principal = max_principals, responses_per_principal
+        limits = limits or SuffixLimits()
+        self.max_depth = limits.max_depth
+        self.max_spec_factor, self.max_spec_offset = limits.max_spec_factor, limits.max_spec_offset
+        self.min_token_prob = limits.min_token_prob
+        self.max_sessions, self.max_tokens_per_session = limits.max_sessions, limits.max_tokens_per_session
+        self.max_principals, self.responses_per_principal = limits.max_principals, limits.responses_per_principal
         self._caches: OrderedDict[str, object] = OrderedDict()  # principal -> its cache, least recent first
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()  # the trees are not thread-safe; every call is microseconds
@@ -80,6 +92,8 @@ class SuffixProposer(Proposer):
 
     def _sync(self, session_id: str, prefix_len: int, delta: list[int], principal: str) -> _Session:
         s = self._sessions.get(session_id)
+        if s is not None and not principal:
+            principal = s.principal
         if s is None or s.principal != principal:
             if prefix_len:
                 raise CacheMiss(session_id, 0, prefix_len)
@@ -109,8 +123,12 @@ class SuffixProposer(Proposer):
         if s is not None:
             s.cache.stop_request(session_id)
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0, principal: str = "") -> Proposal:
+    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, *seed_step_confidence,
+                       **caller) -> Proposal:
+        """The Proposer call; seed, step and min_confidence mean nothing to a deterministic, unscored-by-a-model
+        drafter. caller: principal=, the caller the session belongs to (a session keeps the one it started with when
+        a later call, e.g. a prefetch, names none)."""
+        principal = caller.get("principal", "")
         with self._lock:
             s = self._sync(session_id, prefix_len, list(delta), principal)
             context = np.asarray(s.tokens[-self.max_depth:], dtype=np.int32)

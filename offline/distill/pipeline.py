@@ -25,21 +25,82 @@ from offline.distill.train import mean_kl, train_student
 logger = logging.getLogger("specdec.distill")
 
 
-def run_distillation(
-    teacher: Any,
-    tokenizer: Any,
-    *,
-    texts: Sequence[str],
-    prompts: Sequence[str],
-    heldout_prompts: Sequence[str],
-    cfg: DistillConfig,
-    out_dir: pathlib.Path | str | None,
-    teacher_cache: pathlib.Path | None = None,
-    early_exit: Sequence[int] = (),
-    latency: bool = True,
-    extra_report: dict[str, Any] | None = None,
-    started_at: float | None = None,
-) -> tuple[Any, dict[str, Any]]:
+_LATENCY_DTYPES = (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+
+
+def _train_budget(cfg: DistillConfig, started_at: float, latency: bool, early_exits: int) -> float:
+    """Seconds the training may take: cfg.time_budget_s, within what cfg.total_budget_s leaves after the
+    post-training work (eval, latency, alternatives, save), which takes roughly `reserve`."""
+    reserve = 30.0 + (40.0 if latency else 0.0) + 15.0 * early_exits
+    budget = cfg.time_budget_s
+    if cfg.total_budget_s:
+        left = cfg.total_budget_s - (time.monotonic() - started_at) - reserve
+        budget = max(1.0, min(budget, left) if budget else left)
+    return budget
+
+
+def _data_summary(train, held) -> dict[str, int]:
+    return {"train_sequences": len(train), "train_positions": train.num_positions(),
+            "train_gen_positions": train.num_positions("gen") + train.num_positions("gen-sampled"),
+            "train_gen_sampled_positions": train.num_positions("gen-sampled"),
+            "train_text_positions": train.num_positions("text"),
+            "train_prompt_positions": train.num_positions("prompt"), "heldout_positions": held.num_positions()}
+
+
+def _student_summary(cfg: DistillConfig, n_params: int) -> dict[str, Any]:
+    return {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
+            "intermediate": cfg.intermediate, "parameters": n_params, "tied_embeddings": True,
+            "saved_dtype": cfg.save_dtype}
+
+
+def _acceptance_as_saved(student, save_dt, held, pad_id: int, cfg: DistillConfig) -> dict[str, Any]:
+    """The held-out acceptance of a copy of the student in the dtype it is saved in."""
+    return acceptance_metrics(greedy_matches(copy.deepcopy(student).to(save_dt), held, pad_id), cfg.gamma)
+
+
+def _head_ceiling(student, held, basis, cfg: DistillConfig) -> dict[str, Any] | None:
+    """Acceptance of a perfect student (final hidden == teacher's, projected on the basis) with this head."""
+    if basis is None or not held.has_hidden or basis.P.shape[1] < cfg.hidden:
+        return None
+    with torch.no_grad():
+        head = student.get_input_embeddings().weight
+        return acceptance_metrics(
+            [(((h.float() @ basis.P[:, : cfg.hidden]) * 1.0) @ head.t()).argmax(-1) == ti[:, 0].long()
+             for h, ti in zip(held.hidden, held.topk_idx)], cfg.gamma)  # type: ignore[union-attr]
+
+
+def _latency(student, teacher, accs: tuple[dict, dict], cfg: DistillConfig, by_gamma: dict) -> dict[str, Any]:
+    """Draft and target decode latency per dtype, with the speedup they imply (accs: float32's, the saved dtype's)."""
+    lat: dict[str, Any] = {}
+    for name, dt in _LATENCY_DTYPES:
+        lat[name] = {"draft_ms": decode_latency_ms(student, dt), "target_ms": decode_latency_ms(teacher, dt)}
+        lat[name]["cost_ratio"] = lat[name]["draft_ms"] / lat[name]["target_ms"]
+        a = accs[0 if dt == torch.float32 else 1]["acceptance_rate"]
+        lat[name]["expected_speedup_iid"] = expected_speedup(a, cfg.gamma, lat[name]["cost_ratio"])
+        # from the simulated accepted lengths: (1 + accepted) tokens per (gamma * c + 1) target-step costs
+        lat[name]["speedup_by_gamma"] = {g: (1 + m) / (int(g) * lat[name]["cost_ratio"] + 1)
+                                         for g, m in by_gamma.items()}
+    return lat
+
+
+def _early_exit(teacher, layers: int, held, pad_id: int, cfg: DistillConfig, lat: dict) -> dict[str, Any]:
+    """The teacher cut after `layers` layers as the draft: its acceptance, KL and (with `lat`) latency."""
+    m = truncated_target(teacher, layers)
+    r = acceptance_metrics(greedy_matches(m, held, pad_id), cfg.gamma)
+    r["kl"] = mean_kl(m, held, pad_id)
+    for name, dt in _LATENCY_DTYPES if lat else ():
+        d = decode_latency_ms(m, dt)
+        r[f"{name}_ms"] = d
+        r[f"{name}_cost_ratio"] = d / lat[name]["target_ms"]
+        r[f"{name}_expected_speedup_iid"] = expected_speedup(r["acceptance_rate"], cfg.gamma, d / lat[name]["target_ms"])
+    return r
+
+
+def run_distillation(teacher: Any, tokenizer: Any, *, texts: Sequence[str], prompts: Sequence[str],
+                     heldout_prompts: Sequence[str], cfg: DistillConfig, out_dir: pathlib.Path | str | None,
+                     teacher_cache: pathlib.Path | None = None, early_exit: Sequence[int] = (), latency: bool = True,
+                     extra_report: dict[str, Any] | None = None,
+                     started_at: float | None = None) -> tuple[Any, dict[str, Any]]:
     """Distil a student from ``teacher``; returns (student float32, report).  Saves to ``out_dir`` if given.
 
     ``started_at`` (``time.monotonic()``) is when the whole run began, for
@@ -60,21 +121,9 @@ def run_distillation(
     t = time.monotonic()
     kl_init = mean_kl(student, held, pad_id)
     acc_init = acceptance_metrics(greedy_matches(student, held, pad_id), cfg.gamma)
-    ceiling = None
-    if basis is not None and held.has_hidden and basis.P.shape[1] >= cfg.hidden:
-        # acceptance of a perfect student (final hidden == teacher's, projected on the basis) with this head
-        with torch.no_grad():
-            head = student.get_input_embeddings().weight
-            ceiling = acceptance_metrics(
-                [(((h.float() @ basis.P[:, : cfg.hidden]) * 1.0) @ head.t()).argmax(-1) == ti[:, 0].long()
-                 for h, ti in zip(held.hidden, held.topk_idx)], cfg.gamma)  # type: ignore[union-attr]
+    ceiling = _head_ceiling(student, held, basis, cfg)
     timings["eval_init_s"] = time.monotonic() - t
-    # post-training work (eval, latency, alternatives, save) takes roughly this long
-    reserve = 30.0 + (40.0 if latency else 0.0) + 15.0 * len(early_exit)
-    budget = cfg.time_budget_s
-    if cfg.total_budget_s:
-        left = cfg.total_budget_s - (time.monotonic() - started_at) - reserve
-        budget = max(1.0, min(budget, left) if budget else left)
+    budget = _train_budget(cfg, started_at, latency, len(early_exit))
     train_stats = train_student(student, train, cfg, pad_id, time_budget_s=budget, basis=basis)
     train_stats["time_budget_s"] = round(budget, 1) if budget else None
     timings["train_s"] = train_stats["train_seconds"]
@@ -84,25 +133,14 @@ def run_distillation(
     matches = greedy_matches(student, held, pad_id)
     acc = acceptance_metrics(matches, cfg.gamma)
     save_dt = _DTYPES[cfg.save_dtype]
-    acc_saved = acc
-    if save_dt != torch.float32:
-        acc_saved = acceptance_metrics(greedy_matches(copy.deepcopy(student).to(save_dt), held, pad_id), cfg.gamma)
+    acc_saved = _acceptance_as_saved(student, save_dt, held, pad_id, cfg) if save_dt != torch.float32 else acc
     timings["eval_s"] = time.monotonic() - t
 
     report: dict[str, Any] = {
         "config": cfg.to_json(),
-        "student": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                    "intermediate": cfg.intermediate, "parameters": n_params, "tied_embeddings": True,
-                    "saved_dtype": cfg.save_dtype},
-        "data": {
-            "train_sequences": len(train), "train_positions": train.num_positions(),
-            "train_gen_positions": train.num_positions("gen") + train.num_positions("gen-sampled"),
-            "train_gen_sampled_positions": train.num_positions("gen-sampled"),
-            "train_text_positions": train.num_positions("text"),
-            "train_prompt_positions": train.num_positions("prompt"),
-            "train_prompts": len(prompts), "heldout_prompts": len(heldout_prompts),
-            "heldout_positions": held.num_positions(), "offline_text_documents": len(texts),
-        },
+        "student": _student_summary(cfg, n_params),
+        "data": {**_data_summary(train, held), "train_prompts": len(prompts), "heldout_prompts": len(heldout_prompts),
+                 "offline_text_documents": len(texts)},
         "train": train_stats,
         "heldout": {
             "kl_init": kl_init, "kl_final": kl_final,
@@ -118,28 +156,9 @@ def run_distillation(
         t = time.monotonic()
         lat: dict[str, Any] = {}
         if latency:
-            for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-                lat[name] = {"draft_ms": decode_latency_ms(student, dt), "target_ms": decode_latency_ms(teacher, dt)}
-                lat[name]["cost_ratio"] = lat[name]["draft_ms"] / lat[name]["target_ms"]
-                a = acc["acceptance_rate"] if dt == torch.float32 else acc_saved["acceptance_rate"]
-                lat[name]["expected_speedup_iid"] = expected_speedup(a, cfg.gamma, lat[name]["cost_ratio"])
-                # from the simulated accepted lengths: (1 + accepted) tokens per (gamma * c + 1) target-step costs
-                lat[name]["speedup_by_gamma"] = {
-                    g: (1 + m) / (int(g) * lat[name]["cost_ratio"] + 1) for g, m in report["heldout"]["mean_accepted_len_by_gamma"].items()}
+            lat = _latency(student, teacher, (acc, acc_saved), cfg, report["heldout"]["mean_accepted_len_by_gamma"])
             report["latency"] = lat
-        ee: dict[str, Any] = {}
-        for n in early_exit:
-            m = truncated_target(teacher, int(n))
-            r = acceptance_metrics(greedy_matches(m, held, pad_id), cfg.gamma)
-            r["kl"] = mean_kl(m, held, pad_id)
-            if latency:
-                for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-                    d = decode_latency_ms(m, dt)
-                    r[f"{name}_ms"] = d
-                    r[f"{name}_cost_ratio"] = d / lat[name]["target_ms"]
-                    r[f"{name}_expected_speedup_iid"] = expected_speedup(r["acceptance_rate"], cfg.gamma, d / lat[name]["target_ms"])
-            ee[str(n)] = r
-            del m
+        ee = {str(n): _early_exit(teacher, int(n), held, pad_id, cfg, lat) for n in early_exit}
         if ee:
             report["early_exit"] = ee
         timings["latency_and_alternatives_s"] = time.monotonic() - t

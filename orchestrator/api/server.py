@@ -4,35 +4,33 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import secrets
 import socket
 import threading
 from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeout
 from orchestrator.api.cancel import cancel_stored, lease_wait_s
-from orchestrator.replicas.clients import TargetClient
-from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
-from orchestrator.replicas.discovery import is_dns, parse_dns
-from orchestrator.replicas.draft_pool import DraftPool
-from orchestrator.replicas.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
+from orchestrator.api.limits import (RequestLimits, bad_request, check_request, resolve_resumed, smallest_limit)
 from orchestrator.loop import (AcceptanceWindow, Backends, Generation, GenerationError, Measurements, StepTimer,
                                StreamControl, stats_message)
-from orchestrator.api.prompts import chat_prompt_ids
-from orchestrator.store.records import GenerationParams
-from orchestrator.store.session_store import (LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable,
-                                        open_store)
-from orchestrator.store.status import store_errors, store_error
-from orchestrator.settings import LoopConfig, ServerSettings
-from specdec.ops import cpu_affinity
+from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeout
+from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
+from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.replicas.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
+from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
+from orchestrator.store.session_store import LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable, open_store
+from orchestrator.store.status import store_error, store_errors
 from specdec import observability as telemetry
-from specdec.core import settings
-from specdec.core.grpc_util import RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls, handle_errors, tls_from_args
-from specdec.core.security import is_loopback, principal_of, read_secret, require_public_auth, url_with_password
+from specdec.core import settings as flags
+from specdec.core.grpc_util import (RpcAbort, ServiceServer, StartupError, add_tls_arguments, configure_tls,
+                                    handle_errors, tls_from_args)
+from specdec.core.security import is_loopback, principal_of
+from specdec.ops import cpu_affinity
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -65,29 +63,32 @@ def check_compatible(target_info, draft_info) -> None:
         )
 
 
+@dataclass
+class Connections:
+    """What the servicer serves with: the target replicas (one client: a pool of one), the draft replicas (None:
+    no speculation), the session store, the tokenizer and the target model's facts."""
+    targets: TargetPool | TargetClient
+    drafts: DraftPool | None
+    store: object
+    tokenizer: object
+    target_info: object  # common_pb2.ModelInfo, the target pool's merged answer
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, target: TargetClient | TargetPool, pool: DraftPool | None, store, tokenizer, target_info,
-                 cfg: LoopConfig, max_new_tokens_limit: int = ServerSettings.max_new_tokens_limit,
-                 max_prompt_tokens: int | None = None, max_stop_strings: int = 16,
-                 max_active_sessions: int = ServerSettings.max_sessions, auth_tokens: list[str] = (),
-                 admin_tokens: list[str] = (), max_stop_string_bytes: int = 256, max_stop_token_ids: int = 64,
-                 max_prompt_bytes: int = 1 << 20, max_sessions_per_principal: int = 0,
-                 max_running: int = 0, queue_timeout_s: float = ServerSettings.queue_timeout_s,
-                 adaptive_admission: bool = ServerSettings.admission == "adaptive"):
+    def __init__(self, settings: OrchestratorSettings, connections: Connections):
+        target, target_info = connections.targets, connections.target_info
+        self.settings = settings
+        cfg, server = settings.loop, settings.server
+        max_active_sessions = server.max_sessions
         # A single client (tests, embedders) is a pool of one; the pool's threads end with close().
         self.targets = target if isinstance(target, TargetPool) else TargetPool.of_client(target)
-        self.pool = pool
-        self.store = store
-        self.tokenizer = tokenizer
+        self.pool = connections.drafts
+        self.store = connections.store
+        self.tokenizer = connections.tokenizer
         self.target_info = target_info
         self.cfg = cfg
-        self.max_new_tokens_limit = max_new_tokens_limit
-        self.max_prompt_tokens = max_prompt_tokens or target_info.max_context
-        self.max_stop_strings = max_stop_strings
-        self.max_stop_string_bytes = max_stop_string_bytes
-        self.max_stop_token_ids = max_stop_token_ids
-        self.max_prompt_bytes = max_prompt_bytes
-        self.max_sessions_per_principal = max_sessions_per_principal or max_active_sessions
+        self.max_new_tokens_limit = server.max_new_tokens_limit
+        self.max_sessions_per_principal = server.max_sessions_per_principal or max_active_sessions
         self.eos_ids = set(target_info.eos_token_ids)
         self.vocab_size = target_info.vocab_size
         self.measured = Measurements(
@@ -102,13 +103,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         telemetry.set_gen_ai_model(target_info.model_name)
         self.max_active_sessions = max_active_sessions
         # Generations beyond what the targets serve at once wait their turn (0 = auto: TargetPool.capacity).
-        self.admission = Admission(lambda: min(max_active_sessions, max_running or self.targets.capacity(
-            self.target_info) or max_active_sessions), queue_timeout_s, max_active_sessions, adaptive_admission)
+        self.admission = Admission(lambda: min(max_active_sessions, settings.max_running or self.targets.capacity(
+            self.target_info) or max_active_sessions), server.queue_timeout_s, max_active_sessions,
+            server.admission == "adaptive")
         self.measured.target_latency = self.admission.observe  # below that ceiling, what the target's latency allows
         # Principals are hashes of bearer tokens; a session belongs to the principal that created it.
         # Admin tokens authenticate too; only they see internal addresses in GetOutline.
-        self.principals = {principal_of(t): t for t in [*auth_tokens, *admin_tokens]}
-        self.admins = {principal_of(t) for t in admin_tokens}
+        self.principals = {principal_of(t): t for t in [*settings.auth_tokens, *settings.admin_tokens]}
+        self.admins = {principal_of(t) for t in settings.admin_tokens}
         self._active: dict[str, threading.Event] = {}
         self._active_by_principal: Counter[str] = Counter()
         self._active_lock = threading.Lock()
@@ -152,77 +154,28 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def backends(self) -> Backends:
         """What a generation calls, as configured now (a test may swap the pool)."""
         info = self.target_info
-        return Backends(self.targets, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint,
-                        info.max_draft_len)
+        return Backends(self.targets, self.pool, self.tokenizer, self.eos_ids, self.vocab_size, info.kv_fingerprint)
 
     def _active_count(self) -> int:
         return len(self._active)  # a racy read is fine for a load switch
 
-    # -- validation -----------------------------------------------------------------------------
+    # -- admission ------------------------------------------------------------------------------
 
     def _bad(self, message: str) -> RpcAbort:
-        return RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return bad_request(message)
+
+    def request_limits(self) -> RequestLimits:
+        """The limits a request is admitted within now: the draft ceiling is the smallest of this orchestrator's,
+        the target's and the draft replicas' advertised limits (replicas come and go)."""
+        info = self.target_info
+        drafts = self.pool.max_draft_len() if self.pool is not None else 0
+        return RequestLimits(max_new_tokens=self.max_new_tokens_limit,
+                             max_draft_len=smallest_limit(self.cfg.max_draft_len, info.max_draft_len, drafts),
+                             vocab_size=self.vocab_size, max_context=info.max_context,
+                             max_prompt_tokens=max(1, info.max_context - 1))  # room for one new token
 
     def _new_record(self, req: opb.GenerateRequest) -> SessionRecord:
-        if req.max_new_tokens <= 0:
-            raise self._bad("max_new_tokens must be at least 1")
-        if req.max_new_tokens > self.max_new_tokens_limit:
-            raise self._bad(f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {self.max_new_tokens_limit}")
-        if math.isnan(req.temperature) or math.isinf(req.temperature) or req.temperature < 0:
-            raise self._bad(f"temperature must be a finite number >= 0, got {req.temperature}")
-        top_p = req.top_p if req.top_p != 0 else 1.0
-        if math.isnan(top_p) or not 0 < top_p <= 1:
-            raise self._bad(f"top_p must be in (0, 1], got {req.top_p}")
-        if req.top_k < 0:
-            raise self._bad(f"top_k must be >= 0, got {req.top_k}")
-        if req.max_draft_len > self.cfg.max_draft_len:
-            raise self._bad(f"max_draft_len {req.max_draft_len} exceeds the limit of {self.cfg.max_draft_len}")
-        if len(req.stop) > self.max_stop_strings:
-            raise self._bad(f"stop has {len(req.stop)} strings; the limit is {self.max_stop_strings}")
-        for i, stop in enumerate(req.stop):
-            if len(stop.encode()) > self.max_stop_string_bytes:
-                raise self._bad(f"stop[{i}] is {len(stop.encode())} bytes long; the limit is "
-                                f"{self.max_stop_string_bytes} bytes")
-        if len(req.stop_token_ids) > self.max_stop_token_ids:
-            raise self._bad(f"stop_token_ids has {len(req.stop_token_ids)} ids; the limit is {self.max_stop_token_ids}")
-        bad = [t for t in req.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise self._bad(f"stop_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        which = req.WhichOneof("prompt")
-        if which == "text":
-            if len(req.text.encode()) > self.max_prompt_bytes:
-                raise self._bad(f"text prompt is {len(req.text.encode())} bytes long; the limit is "
-                                f"{self.max_prompt_bytes} bytes")
-            if not req.text.strip():
-                raise self._bad("prompt is empty")
-            if self.tokenizer is None:
-                raise self._bad("this orchestrator has no tokenizer; send token_ids")
-            if req.apply_chat_template:
-                ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": req.text}])
-            else:
-                ids = self.tokenizer.encode(req.text, add_special_tokens=True)
-        elif which == "token_ids":
-            ids = list(req.token_ids.ids)
-            if not ids:
-                raise self._bad("prompt is empty")
-            if len(ids) > self.max_prompt_tokens:
-                raise self._bad(f"token_ids has {len(ids)} tokens; the limit is {self.max_prompt_tokens}")
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise self._bad(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        else:
-            raise self._bad("prompt is empty: set text or token_ids")
-        if len(ids) > self.max_prompt_tokens:
-            raise self._bad(f"prompt has {len(ids)} tokens; the limit is {self.max_prompt_tokens}")
-        if len(ids) + req.max_new_tokens > self.target_info.max_context:
-            raise RpcAbort(grpc.StatusCode.OUT_OF_RANGE,
-                           f"prompt ({len(ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds the model's "
-                           f"context of {self.target_info.max_context} tokens")
-        speculation = req.speculation != opb.SPECULATION_OFF
-        params = GenerationParams(temperature=float(req.temperature), top_k=int(req.top_k), top_p=float(top_p),
-                                  seed=int(req.seed), max_new_tokens=int(req.max_new_tokens), stop=list(req.stop),
-                                  stop_token_ids=list(req.stop_token_ids), speculation=speculation,
-                                  max_draft_len=int(req.max_draft_len), ignore_eos=bool(req.ignore_eos))
+        ids, params = check_request(req, self.request_limits(), self.tokenizer)
         return SessionRecord(session_id=secrets.token_urlsafe(18), prompt_ids=ids, params=params)
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -313,6 +266,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                     "generated tokens")
                 if rec.status == "cancelled":
                     rec.status, rec.finish_reason = "running", 0  # resuming a cancelled session continues it
+                resolve_resumed(rec.params, self.request_limits())
                 self.store.clear_cancel_request(sid)  # one aimed at an earlier stream that ended meanwhile
             else:
                 self.store.create(rec)
@@ -437,76 +391,71 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return rec
 
 
-_S = ServerSettings  # the defaults below are the flags' (orchestrator/settings.py)
-
-
-def build_servicer(target_addr: str, draft_addrs: str | list[str] | None, store_url: str,
-                   tokenizer_spec: str | None, cfg: LoopConfig, max_new_tokens_limit: int = _S.max_new_tokens_limit,
-                   session_ttl_s: int = _S.session_ttl_s, startup_timeout_s: float = _S.startup_timeout_s,
-                   max_active_sessions: int = _S.max_sessions, auth_tokens: list[str] = (),
-                   breaker_open_s: float = _S.breaker_open_s, breaker_failures: int = _S.breaker_failures,
-                   local_datastore: str = _S.local_datastore,
-                   session_lease_s: float = _S.session_lease_s,
-                   resolve_interval_s: float = _S.resolve_interval_s,
-                   admin_tokens: list[str] = (),
-                   max_sessions_per_principal: int = _S.max_sessions_per_principal, max_running: int = 0,
-                   queue_timeout_s: float = _S.queue_timeout_s,
-                   adaptive_admission: bool = _S.admission == "adaptive") -> OrchestratorServicer:
-    """Connect to the target replicas (``target_addr``: comma-separated, ``dns:///`` names too; at least one must
-    answer, all must serve the same model) and the draft replicas (optional: unreachable ones join later).
-    A ``local:ngram`` replica drafts in this process (orchestrator/replicas/local_draft.py)."""
-    from orchestrator.replicas.local_draft import build_local_client
-    from specdec.models import load_tokenizer
-
+def build_servicer(settings: OrchestratorSettings) -> OrchestratorServicer:
+    """Connect to the target replicas (--target: comma-separated, ``dns:///`` names too; at least one must answer,
+    all must serve the same model), the draft replicas (optional: unreachable ones join later) and the session
+    store. A ``local:ngram`` replica drafts in this process (orchestrator/replicas/local_draft.py)."""
+    server = settings.server
     try:
-        targets, target_info = open_targets(target_addr, startup_timeout_s, breaker_open_s=breaker_open_s,
-                                            resolve_interval_s=resolve_interval_s)
+        targets, target_info = open_targets(server.target, server.startup_timeout_s,
+                                            breaker_open_s=server.breaker_open_s,
+                                            resolve_interval_s=server.resolve_interval_s)
     except TargetsUnreachable as e:
-        raise StartupError(f"the target at {target_addr} did not answer within {startup_timeout_s:g} s "
+        raise StartupError(f"the target at {server.target} did not answer within {server.startup_timeout_s:g} s "
                            f"({e}): start it first, or point --target at it") from e
     except (IncompatibleTargets, ValueError) as e:
         raise StartupError(f"--target: {e}") from e
     try:
-        tokenizer = load_tokenizer(tokenizer_spec or target_info.model_name)
-        if isinstance(draft_addrs, str):
-            draft_addrs = [a.strip() for a in draft_addrs.split(",")]
-        draft_addrs = [a for a in (draft_addrs or []) if a]
-        pool = None
-        if draft_addrs:
-            pool = DraftPool(draft_addrs, breaker_open_s=breaker_open_s, breaker_failures=breaker_failures,
-                             on_info=lambda replica, info: check_compatible(target_info, info),
-                             local_client=lambda address: build_local_client(
-                                 address, tokenizer, target_info.model_name, target_info.vocab_size, local_datastore),
-                             resolve_interval_s=resolve_interval_s)
-            for replica in pool.replicas:
-                try:
-                    replica.info = replica.client.info(timeout=min(startup_timeout_s, 10.0))
-                except grpc.RpcError as e:
-                    log.warning("draft replica not reachable at start-up; it joins when healthy",
-                                extra={"replica": replica.address, "code": e.code().name})
-                else:
-                    check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
-                    if cfg.tree_budget and not replica.info.drafts_trees:
-                        log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
-                                    "chains", extra={"replica": replica.address, "model": replica.info.model_name})
-        try:
-            store = open_store(store_url, ttl_s=session_ttl_s, lease_ttl_s=session_lease_s)
-        except ValueError as e:  # orchestrator/store/client.py's StoreUrlError: a malformed --redis URL
-            raise StartupError(f"--redis: {e}") from None
-        try:
-            store.ping()
-        except StoreUnavailable as e:
-            log.warning("session store unreachable at start-up; new sessions fail until it is back",
-                        extra={"error": str(e)})
-        return OrchestratorServicer(targets, pool, store, tokenizer, target_info, cfg, max_new_tokens_limit,
-                                    max_active_sessions=max_active_sessions, auth_tokens=auth_tokens,
-                                    admin_tokens=admin_tokens,
-                                    max_sessions_per_principal=max_sessions_per_principal,
-                                    max_running=max_running, queue_timeout_s=queue_timeout_s,
-                                    adaptive_admission=adaptive_admission)
+        from specdec.models import load_tokenizer
+
+        tokenizer = load_tokenizer(server.tokenizer or target_info.model_name)
+        drafts = _open_drafts(settings, tokenizer, target_info)
+        store = _open_store(settings)
+        return OrchestratorServicer(settings, Connections(targets, drafts, store, tokenizer, target_info))
     except BaseException:
         targets.close()  # its health thread must not outlive a failed start
         raise
+
+
+def _open_drafts(settings: OrchestratorSettings, tokenizer, target_info) -> DraftPool | None:
+    """The draft pool of --draft (None: no speculation), each replica's ModelInfo asked for once at start."""
+    from orchestrator.replicas.local_draft import build_local_client
+
+    server, cfg = settings.server, settings.loop
+    addresses = [a.strip() for a in (server.draft or "").split(",") if a.strip()]
+    if not addresses:
+        return None
+    pool = DraftPool(addresses, breaker_open_s=server.breaker_open_s, breaker_failures=server.breaker_failures,
+                     on_info=lambda replica, info: check_compatible(target_info, info),
+                     local_client=lambda address: build_local_client(
+                         address, tokenizer, target_info.model_name, target_info.vocab_size, server.local_datastore),
+                     resolve_interval_s=server.resolve_interval_s)
+    for replica in pool.replicas:
+        try:
+            replica.info = replica.client.info(timeout=min(server.startup_timeout_s, 10.0))
+        except grpc.RpcError as e:
+            log.warning("draft replica not reachable at start-up; it joins when healthy",
+                        extra={"replica": replica.address, "code": e.code().name})
+            continue
+        check_compatible(target_info, replica.info)  # a wrong tokenizer is a configuration error
+        if cfg.tree_budget and not replica.info.drafts_trees:
+            log.warning("tree speculation asked for, but this draft drafts chains only: its steps verify "
+                        "chains", extra={"replica": replica.address, "model": replica.info.model_name})
+    return pool
+
+
+def _open_store(settings: OrchestratorSettings):
+    server = settings.server
+    try:
+        store = open_store(settings.session_store_url, ttl_s=server.session_ttl_s, lease_ttl_s=server.session_lease_s)
+    except ValueError as e:  # orchestrator/store/client.py's StoreUrlError: a malformed --redis URL
+        raise StartupError(f"--redis: {e}") from None
+    try:
+        store.ping()
+    except StoreUnavailable as e:
+        log.warning("session store unreachable at start-up; new sessions fail until it is back",
+                    extra={"error": str(e)})
+    return store
 
 
 def build_server(servicer: OrchestratorServicer, address: str, tls=None) -> ServiceServer:
@@ -519,66 +468,27 @@ def build_server(servicer: OrchestratorServicer, address: str, tls=None) -> Serv
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`specdec serve orchestrator`'s flags: the fields of ServerSettings and LoopConfig (orchestrator/settings.py)."""
-    settings.add_arguments(p, ServerSettings)
-    settings.add_arguments(p, LoopConfig)
+    flags.add_arguments(p, ServerSettings)
+    flags.add_arguments(p, LoopConfig)
     cpu_affinity.add_argument(p)
     add_tls_arguments(p)
     telemetry.add_metrics_argument(p)
 
 
 def serve(args: argparse.Namespace) -> None:
-    # Bad flags are refused before anything process-wide (telemetry, TLS) is set up.
-    if not 0 <= args.tree_budget <= 64 or not 0 <= args.tree_branch <= 16 or not 0 <= args.tree_branch_below <= 1:
-        raise SystemExit("--tree-budget must be in 0..64, --tree-branch in 0..16, --tree-branch-below in [0, 1]")
-    if args.pipeline_max_sessions < 0:
-        raise SystemExit(f"--pipeline-max-sessions must be 0 (no limit) or more, got {args.pipeline_max_sessions}")
-    if not args.startup_timeout_s > 0:
-        raise SystemExit(f"--startup-timeout-s must be positive, got {args.startup_timeout_s}")
-    if args.max_sessions < 1 or args.max_sessions_per_principal < 0:
-        raise SystemExit("--max-sessions must be at least 1 and --max-sessions-per-principal 0 (= --max-sessions) "
-                         "or more")
-    max_running = 0 if args.max_running == "auto" else int(args.max_running) if args.max_running.isdigit() else -1
-    if max_running < 0 or args.max_running == "0" or not args.queue_timeout_s > 0:
-        raise SystemExit(f"--max-running must be auto or at least 1 (got {args.max_running!r}), --queue-timeout-s "
-                         f"positive (got {args.queue_timeout_s})")
-    if not args.resolve_interval_s > 0:
-        raise SystemExit(f"--resolve-interval-s must be positive, got {args.resolve_interval_s}")
-    for flag, addresses in (("--target", args.target), ("--draft", args.draft)):
-        for address in (a.strip() for a in (addresses or "").split(",")):
-            if is_dns(address):
-                try:
-                    parse_dns(address)
-                except ValueError as e:
-                    raise SystemExit(f"{flag}: {e}") from None
-    if not 0.1 <= args.session_lease_s <= 3600:
-        raise SystemExit(f"--session-lease-s must be between 0.1 and 3600 seconds, got {args.session_lease_s}")
-    tokens, admin_tokens = require_public_auth(args)
-    store_url = args.redis
-    if args.redis_password_file:
-        if "://" not in store_url or store_url.startswith("memory"):
-            raise StartupError(f"--redis-password-file needs a redis:// store URL, not {store_url!r}")
-        store_url = url_with_password(store_url, read_secret(args.redis_password_file, "the Redis password"))
+    settings = OrchestratorSettings.from_args(args)  # bad flags are refused before anything process-wide is set up
     cpus = cpu_affinity.apply_from_args(args)
     telemetry.setup("specdec-orchestrator", metrics_port=args.metrics_port)
     cpu_affinity.log_pinning(log, cpus, 1)
-    if (tokens or admin_tokens) and not args.tls_cert and not is_loopback(args.listen):
+    if (settings.auth_tokens or settings.admin_tokens) and not args.tls_cert and not is_loopback(args.listen):
         log.warning("bearer tokens over plaintext: give the public port TLS (--tls-cert/--tls-key)")
     configure_tls(tls_from_args(args))  # channels to draft and target
-    cfg = settings.from_args(LoopConfig, args)
     http = None
     if args.http_listen:
-        from orchestrator.http_api import HttpServer
+        from orchestrator.api.http import HttpServer
 
         http = HttpServer(args.http_listen)  # bound now: a taken port fails before the wait for the target
-    servicer = build_servicer(args.target, args.draft, store_url, args.tokenizer, cfg, args.max_new_tokens_limit,
-                              args.session_ttl_s, startup_timeout_s=args.startup_timeout_s,
-                              max_active_sessions=args.max_sessions, auth_tokens=tokens,
-                              breaker_open_s=args.breaker_open_s, breaker_failures=args.breaker_failures,
-                              local_datastore=args.local_datastore, session_lease_s=args.session_lease_s,
-                              resolve_interval_s=args.resolve_interval_s,
-                              admin_tokens=admin_tokens,
-                              max_sessions_per_principal=args.max_sessions_per_principal, max_running=max_running,
-                              queue_timeout_s=args.queue_timeout_s, adaptive_admission=args.admission == "adaptive")
+    servicer = build_servicer(settings)
     public_tls = tls_from_args(args, require_client_cert=not args.tls_public_no_client_cert)
     server = build_server(servicer, args.listen, tls=public_tls).start()
     if http is not None:

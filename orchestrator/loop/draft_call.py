@@ -22,12 +22,6 @@ def stoppable(replica) -> bool:
     return replica.info is not None and replica.info.strategy in STOPPABLE_DRAFTS
 
 
-def replica_limit(replica, k: int) -> int:
-    """k, capped at the longest draft the replica advertises (ModelInfo.max_draft_len; 0: not advertised)."""
-    limit = replica.info.max_draft_len if replica.info is not None else 0
-    return min(k, limit) if limit else k
-
-
 class DraftCall:
     def __init__(self, state: LoopState):
         self.state = state

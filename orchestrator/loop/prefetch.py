@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.replicas.clients import DraftReply
-from orchestrator.loop.draft_call import DraftCall, replica_limit, stoppable
+from orchestrator.loop.draft_call import DraftCall, stoppable
 from orchestrator.loop.state import LoopState
 from orchestrator.loop.validate import draft_reply_problem
 from specdec import observability as telemetry
@@ -71,7 +71,7 @@ class Prefetcher:
         state, rec, mode = self.state, self.state.rec, self.state.cfg.pipeline
         if mode == "off" or (mode == "auto" and not self.pays(replica)):
             return None
-        n = replica_limit(replica, min(k + 1, state.max_draft_len))
+        n = min(k + 1, state.max_draft_len)
         if n < 2:
             return None
         ctx = len(rec.committed)
@@ -80,8 +80,7 @@ class Prefetcher:
         rec.stats.pipeline_prefetches += 1
         with telemetry.call_attributes(session_id=rec.session_id, k=n, replica=replica.address, prefetch=True):
             future = replica.client.propose_async(rec.session_id, held, delta, n, state.sampling, state.seed,
-                                                  rec.step + 1, self.draft.timeout_s(n) + 1.0,
-                                                  principal=rec.params.owner)
+                                                  rec.step + 1, self.draft.timeout_s(n) + 1.0)
         return future, n
 
     def finish(self, started, replica, reply, new: list[int]) -> None:

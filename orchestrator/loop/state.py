@@ -80,7 +80,6 @@ class Backends:
     eos_ids: set[int]
     vocab_size: int
     target_kv_fingerprint: str = ""  # ModelInfo.kv_fingerprint of the target: drafts with the same take its KV
-    target_max_draft_len: int = 0    # ModelInfo.max_draft_len of the target (0: not advertised)
 
 
 @dataclass
@@ -118,9 +117,11 @@ class LoopState:
         self.sampling = SamplingParams(p.temperature, p.top_k, p.top_p)
         self.seed = int(p.seed)
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else backends.eos_ids)
-        # What this server allows and the target takes (0: the target does not say); a draft replica's own limit
-        # caps each call to it (draft_call.replica_limit).
-        self.max_draft_len = min(cfg.max_draft_len, backends.target_max_draft_len or cfg.max_draft_len)
+        if not p.draft_len_limit:
+            raise ValueError("a generation's draft_len_limit is resolved when it is admitted (orchestrator/api/limits.py)")
+        # The longest draft a step asks for: resolved once at admission (the smallest of the
+        # orchestrator's, the target's and the drafts' limits); nothing in the loop clamps it again.
+        self.max_draft_len = p.draft_len_limit
         self.step_server_ms: float | None = None  # the target's time in this step, if it was a plain one
         self.step_draft_ms = 0.0  # the Propose call's wall time in this step (goodput costs drafting apart)
         self.target_seat = backends.target.seat(rec.session_id) if backends.target is not None else None

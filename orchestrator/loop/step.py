@@ -10,9 +10,9 @@ never depends on the draft, only the speed does.
 from __future__ import annotations
 
 from orchestrator import metrics
-from orchestrator.policy.draft_length import FREE_DRAFTERS, dry_step_tokens, make_draft_length
+from orchestrator.policy.draft_length import FREE_DRAFTERS, Evidence, dry_step_tokens, make_draft_length
 from orchestrator.loop.accounting import record_decode, record_verify
-from orchestrator.loop.draft_call import DraftCall, replica_limit
+from orchestrator.loop.draft_call import DraftCall
 from orchestrator.loop.handover import PromptHandover
 from orchestrator.loop.prefetch import Prefetcher
 from orchestrator.loop.state import LoopState
@@ -28,12 +28,13 @@ class Step:
         self.prefetch = Prefetcher(state, self.draft)
         self.handover = PromptHandover(state)
         cfg, measured, fixed = state.cfg, state.measured, state.rec.params.max_draft_len
-        # A per-request max_draft_len is a fixed length; the server default may adapt (chains only).
-        self.draft_len = make_draft_length(
-            min(fixed or cfg.default_draft_len, state.max_draft_len), state.max_draft_len,
-            cfg.adaptive_draft_len and not fixed and not cfg.tree_budget, cfg.draft_len_policy,
-            measured.target_cost, measured.acceptance_prior, measured.draft_evidence, cfg.fallback_chunk,
-            measured.draft_cost)
+        # A per-request max_draft_len is a fixed length (within the limit, resolved at admission); the server
+        # default may adapt (chains only).
+        evidence = Evidence(measured.target_cost, measured.acceptance_prior, measured.draft_evidence,
+                            measured.draft_cost)
+        self.draft_len = make_draft_length(fixed or min(cfg.default_draft_len, state.max_draft_len),
+                                           state.max_draft_len, cfg.adaptive_draft_len and not fixed
+                                           and not cfg.tree_budget, cfg.draft_len_policy, evidence, cfg.fallback_chunk)
         pool = state.backends.pool
         self.draft_len.use_free_drafter(pool is not None and any(
             getattr(r, "info", None) is not None and r.info.strategy in FREE_DRAFTERS
@@ -46,12 +47,17 @@ class Step:
         stats, fallback = self.state.stats, min(self.state.cfg.fallback_chunk, remaining)
         if self.prefetch.resolve():  # the draft failed this step already: no second deadline before falling back
             return self.decode(fallback, degraded=True), True
+        if not self.draft.wanted():  # target-only: one decode stream for the rest of the generation
+            return self.stream(remaining, degraded=False), False
         k = min(self.draft_len.k, remaining - 1)
-        if k <= 0 or not self.draft.wanted():
-            if self.draft_len.k == 0 and self.draft.wanted():  # no draft length pays: target-only for now
+        if k <= 0:
+            if self.draft_len.k == 0:  # no draft length pays: target-only until the policy probes again
                 stats.speculation_paused_steps += 1
                 metrics.record_paused()
+                steps_left = self.draft_len.steps_to_probe() if hasattr(self.draft_len, "steps_to_probe") else 1
+                tokens = self.stream(min(remaining, fallback * steps_left), degraded=False)
                 self.draft_len.step_taken()
+                return tokens, False
             return self.decode(fallback, degraded=False), False
         if self._overloaded():
             stats.load_shed_steps += 1
@@ -75,7 +81,7 @@ class Step:
         target prefilling alongside for a new session), verify them: (new tokens, False); (None, failed) when
         nothing was drafted or the draft failed."""
         self.draft_len.pipelined = self.prefetch.pipelines(replica)
-        ask = replica_limit(replica, min(self.draft_len.request_len(k), remaining - 1))  # a scored draft is trimmed
+        ask = min(self.draft_len.request_len(k), remaining - 1)  # a scored draft is trimmed
         reply = self.prefetch.take(replica, ask)
         if reply is None:
             kv = self.handover.target_kv(replica)
@@ -101,6 +107,13 @@ class Step:
         rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
         record_verify(self.state, self.draft_len, len(reply.tokens), v.num_accepted, v.verify_ms, reply.scores)
         return reply.tokens[: v.num_accepted] + [v.next_token]
+
+    def stream(self, total: int, degraded: bool) -> list[int]:
+        """The next block of target-only tokens from the session's decode stream (one of `total` tokens is opened
+        when none is): a paused or target-only session costs what plain decoding does, one stream, no call a block."""
+        d = self.target.stream_block(total, degraded)
+        record_decode(self.state, len(d.tokens), d.decode_ms, degraded)
+        return d.tokens
 
     def decode(self, n: int, degraded: bool) -> list[int]:
         d = self.target.decode(n, degraded)

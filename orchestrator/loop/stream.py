@@ -165,6 +165,7 @@ class Stream:
             hand_over(e)
         finally:
             self.step.prefetch.drop()
+            self.step.target.close_stream()  # the target stops decoding for this stream
 
     def steps(self, stop: threading.Event) -> Iterator[tuple[Chunk, list[int]]]:
         """Step until the session finishes, is cancelled or the stream stops: (chunk to send, tokens to store)."""

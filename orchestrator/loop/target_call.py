@@ -23,6 +23,8 @@ class TargetCall:
         self.state = state
         self.client = None  # the replica's client and whether to wait on its channel, for the call being made
         self.wait_for_ready = True
+        self.stream = None  # the open DecodeStream (clients.DecodeStream), if any: closed before any other call
+        self.stream_client = None  # the client of the replica it is open on
 
     def call(self, fn, what: str):
         """fn(timeout_s) on the session's target replica (self.client). One that went away sends the session to
@@ -84,6 +86,7 @@ class TargetCall:
     def verify(self, reply):
         """Verify a draft reply (a chain, or a tree when reply.tree_parents is set); the target's VerifyReply. Moves
         the session's cache positions; the caller counts the verify (accounting.py)."""
+        self.close_stream()
         state, rec = self.state, self.state.rec
         ctx = len(rec.committed)
         tree = reply.tree_parents is not None
@@ -102,6 +105,7 @@ class TargetCall:
 
     def decode(self, n: int, degraded: bool):
         """Up to n tokens target-only; the DecodeReply."""
+        self.close_stream()
         state, rec = self.state, self.state.rec
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
         t0 = time.perf_counter()
@@ -117,3 +121,67 @@ class TargetCall:
                 state.step_server_ms = d.decode_ms
         rec.target_pos = d.cached_len
         return d
+
+    def stream_block(self, total: int, degraded: bool):
+        """Target-only tokens from the session's decode stream: the next block of the open one, else the first block
+        of a new stream of up to `total` tokens (the target decodes on while this session's blocks are stored and
+        sent). A stream that ended or failed is closed here; a failure a target going away causes moves the session
+        on (as any call's), a new stream then opening on the next usable replica."""
+        state, rec = self.state, self.state.rec
+        d = None
+        if self.stream is not None and state.target_seat is not None:
+            replica = state.target_replica()  # the session's replica left the pool, or failed: move with it
+            if replica is None or replica.client is not self.stream_client:
+                self.close_stream()
+        if self.stream is not None:
+            t0 = time.perf_counter()
+            d = self._next_block()
+            if d is not None:
+                state.count_overhead(t0, d.decode_ms)
+        if d is None:
+            d = self._open_stream(total, degraded)
+        cost = state.measured.target_cost
+        if cost is not None and len(d.tokens) > 1:  # the target's time a token; no per-call overhead (no call)
+            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True)
+        rec.target_pos = d.cached_len
+        return d
+
+    def _open_stream(self, total: int, degraded: bool):
+        state, rec, cfg = self.state, self.state.rec, self.state.cfg
+        block = max(1, cfg.fallback_chunk)
+        # A target-only generation's first token goes out at once; a paused session's blocks stay its steps (the
+        # draft-length policy probes again after a number of them, at the positions plain Decode calls reached).
+        first = 1 if not rec.generated and not rec.params.speculation else block
+        t0 = time.perf_counter()
+        with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
+            self.stream = self.call(lambda t: self.client.decode_stream(
+                rec.session_id, rec.committed, rec.target_pos, total, state.sampling, state.seed, rec.step,
+                sorted(state.stop_ids), t, block, first, wait_for_ready=self.wait_for_ready), "decode")
+        self.stream_client = self.client
+        d = self.stream.first
+        state.count_overhead(t0, d.decode_ms)
+        return d
+
+    def _next_block(self):
+        """The open stream's next block; None when it ended or failed (then it is closed)."""
+        try:
+            d = self.stream.next()
+        except grpc.RpcError as e:
+            self.close_stream()
+            if e.code() not in RETRYABLE:
+                raise GenerationError(e.code(), f"target decode failed: {e.details()}") from e
+            log.warning("target stream ended", extra={"session_id": self.state.rec.session_id,
+                                                      "code": e.code().name})
+            if self.state.target_seat is not None:
+                self.state.target_seat.failed(health_blind=e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+            return None
+        if d is None:
+            self.close_stream()
+        return d
+
+    def close_stream(self) -> None:
+        """Stop the open stream (the target stops decoding it); its tokens not yet received are dropped, and the
+        next call's TokenDelta crops the target's cache to what was committed."""
+        if self.stream is not None:
+            self.stream.cancel()
+            self.stream = None

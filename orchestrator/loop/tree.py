@@ -12,7 +12,6 @@ from __future__ import annotations
 import grpc
 
 from orchestrator.loop.accounting import record_verify
-from orchestrator.loop.draft_call import replica_limit
 from orchestrator.loop.state import GenerationError, LoopState
 
 
@@ -25,7 +24,7 @@ class TreeStrategy:
         cfg, max_depth = self.state.cfg, remaining - 1
         tree = dict(tree_budget=cfg.tree_budget, tree_branch=cfg.tree_branch,
                     tree_branch_below=cfg.tree_branch_below, tree_max_depth=max_depth)
-        chain_len = replica_limit(replica, max(1, min(cfg.tree_budget, self.state.max_draft_len, max_depth)))
+        chain_len = max(1, min(cfg.tree_budget, self.state.max_draft_len, max_depth))
         reply, failed = self.step.draft.propose_tree(replica, tree, chain_len, max_depth)
         if reply is None:
             return None, failed

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 from specdec.core.sampling import expected_accepted_length
 
@@ -394,6 +395,10 @@ class GoodputDraftLength:
     def _sessions(self) -> int:
         return max(1, int(self.cost.sessions()))
 
+    def steps_to_probe(self) -> int:
+        """Paused: the target-only steps left before the next probe (a decode stream is opened for their tokens)."""
+        return max(1, self.PROBE_EVERY - self.paused_steps)
+
     def step_taken(self) -> None:
         """A step without a verify; while paused, count towards the next probe."""
         if self.k == 0:
@@ -470,12 +475,22 @@ def dry_step_tokens(draft_len: AdaptiveLength, dry_steps: int, chunk: int) -> in
     return chunk if draft_len.dry() else dry_decode_tokens(dry_steps, chunk)
 
 
-def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, cost: TargetCost | None,
-                      prior: AcceptancePrior | None = None, evidence: DraftEvidence | None = None,
-                      decode_chunk: int = 1, draft_cost: DraftCost | None = None):
+@dataclass(frozen=True)
+class Evidence:
+    """What the goodput policy chooses from, measured across sessions (None: not measured)."""
+    target_cost: TargetCost | None
+    prior: AcceptancePrior | None = None
+    draft_scores: DraftEvidence | None = None
+    draft_cost: DraftCost | None = None
+
+
+def make_draft_length(start: int, max_len: int, adaptive: bool, policy: str, evidence: Evidence,
+                      decode_chunk: int = 1):
     """The per-session draft length: goodput when adaptive and the target reported its forward costs (it ignores
     `start`: its first k comes from the costs and the prior), otherwise transformers' heuristic (adaptive) or
     fixed, starting at `start`."""
+    cost = evidence.target_cost
     if adaptive and policy == "goodput" and cost is not None and cost.max_tokens >= 2:
-        return GoodputDraftLength(max_len, cost, prior, evidence, decode_chunk, draft_cost)
+        return GoodputDraftLength(max_len, cost, evidence.prior, evidence.draft_scores, decode_chunk,
+                                  evidence.draft_cost)
     return DraftLength(start, max_len, adaptive)

@@ -87,6 +87,25 @@ class DecodeReply:
     resynced: bool
 
 
+class DecodeStream:
+    """An open DecodeStream call: its first block (taken when it was opened, so a cache-miss or an unavailable
+    target surfaces there) and the blocks after it."""
+
+    def __init__(self, call, first: DecodeReply):
+        self.call, self.first, self.resynced = call, first, False
+
+    def next(self) -> DecodeReply | None:
+        """The next block; None when the stream ended. Raises grpc.RpcError when it failed."""
+        try:
+            r = next(self.call)
+        except StopIteration:
+            return None
+        return DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, False)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
 class DraftClient:
     def __init__(self, address: str, channel: grpc.Channel | None = None):
         self.address = address
@@ -121,11 +140,11 @@ class DraftClient:
                           scores=list(r.token_scores))
 
     def propose_async(self, session_id: str, prefix_len: int, delta: list[int], max_len: int,
-                      params: SamplingParams, seed: int, step: int, timeout: float, principal: str = ""):
+                      params: SamplingParams, seed: int, step: int, timeout: float):
         """Start a Propose without waiting (pipelining); call .result() on the returned future for the reply."""
         request = draft_pb2.ProposeRequest(
             session_id=session_id, delta=common_pb2.TokenDelta(prefix_len=prefix_len, tokens=delta),
-            max_draft_len=max_len, sampling=wire.sampling_to_proto(params, seed), step=step, principal=principal)
+            max_draft_len=max_len, sampling=wire.sampling_to_proto(params, seed), step=step)
         return self.stub.Propose.future(request, timeout=timeout)
 
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
@@ -200,6 +219,33 @@ class TargetClient:
         r, resynced = _call_with_resync(call, committed, pos)
         return DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, resynced)
 
+    def decode_stream(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
+                      seed: int, step: int, stop_token_ids: list[int], timeout: float, block_tokens: int = 1,
+                      first_block_tokens: int = 0, wait_for_ready: bool = False) -> DecodeStream:
+        """Open a DecodeStream of up to max_tokens tokens (the whole stream within `timeout`; the target ends it
+        cleanly a little before) and wait for its first block."""
+        sampling = wire.sampling_to_proto(params, seed)
+
+        def call(delta):
+            stream = self.stub.DecodeStream(
+                target_pb2.DecodeRequest(session_id=session_id, delta=delta, max_tokens=max_tokens, sampling=sampling,
+                                         step=step, stop_token_ids=stop_token_ids, block_tokens=block_tokens,
+                                         first_block_tokens=first_block_tokens),
+                timeout=timeout, wait_for_ready=wait_for_ready,
+            )
+            try:
+                r = next(stream)
+            except StopIteration:  # a target never ends a stream without a token; if one did, say so as a failure
+                raise _EmptyStream() from None
+            except BaseException:
+                stream.cancel()
+                raise
+            return DecodeStream(stream, DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, False))
+
+        r, resynced = _call_with_resync(call, committed, pos)
+        r.resynced = r.first.resynced = resynced
+        return r
+
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 
@@ -208,3 +254,13 @@ class TargetClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class _EmptyStream(grpc.RpcError):
+    """A DecodeStream that ended before its first block (as UNAVAILABLE: the caller tries again)."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the target ended a decode stream before its first block"

@@ -37,6 +37,7 @@ class LocalDraftReplica(DraftReplica):
 
 class DraftPool(ReplicaPool):
     KIND = "draft"
+    _always_checked = (LocalDraftReplica,)
 
     def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
                  health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
@@ -58,9 +59,15 @@ class DraftPool(ReplicaPool):
         channel = make_channel(address, authority=authority) if authority else None
         return DraftReplica(address, breaker, DraftClient(address, channel) if channel else None)
 
+    def max_draft_len(self) -> int:
+        """The longest draft every replica that has reported takes (ModelInfo.max_draft_len; 0: none says): part
+        of a request's draft ceiling, resolved at admission (orchestrator/api/limits.py)."""
+        limits = [r.info.max_draft_len for r in list(self.replicas) if r.info is not None and r.info.max_draft_len]
+        return min(limits, default=0)
+
     def pick(self, session_id: str) -> DraftReplica | None:
         """The session's preferred replica whose breaker lets a call through, else None (degrade)."""
         for r in self.ranking(session_id):
-            if r.refused is None and r.breaker.allow():
+            if self.eligible(r) and r.breaker.allow():
                 return r
         return None

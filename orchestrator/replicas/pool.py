@@ -171,9 +171,29 @@ class ReplicaPool:
 
     def _replica(self, address: str) -> Replica:
         open_s, max_open_s, failures = self._breaker_args
-        breaker = CircuitBreaker(open_s, max_open_s, failures, kind=self.KIND,
-                                 on_open=self._resolve_soon.set if self.discovery.dynamic else None)
-        return self._new_replica(address, breaker, self.discovery.authority.get(address))
+        breaker = CircuitBreaker(open_s, max_open_s, failures, kind=self.KIND)
+        replica = self._new_replica(address, breaker, self.discovery.authority.get(address))
+
+        def on_open() -> None:
+            self._recheck(replica)
+            if self.discovery.dynamic:
+                self._resolve_soon.set()
+
+        breaker.on_open = on_open
+        return replica
+
+    def _recheck(self, replica: Replica) -> None:
+        """The replica went away (its breaker opened, or a health check failed): whatever answers at its address
+        next may be another server (restarted with another model or tokenizer), so it gets no session until its
+        ModelInfo has been asked for and checked again (on_info, at the next passing health check)."""
+        if self.on_info is not None and not isinstance(replica, self._always_checked):
+            replica.info, replica.refused = None, None
+
+    _always_checked: tuple = ()  # replica classes that cannot change under their address (in-process drafters)
+
+    def eligible(self, replica: Replica) -> bool:
+        """Not refused, and its ModelInfo checked (in a pool that checks them)."""
+        return replica.refused is None and (replica.info is not None or self.on_info is None)
 
     def _new_replica(self, address: str, breaker: CircuitBreaker, authority: str | None) -> Replica:
         """The replica at ``address``; ``authority``: the DNS name it was resolved from (TLS checks that name)."""
@@ -248,12 +268,14 @@ class ReplicaPool:
             for r in self.replicas:
                 if r.check_health(self.health_timeout_s):
                     self._ask_info(r)
+                else:
+                    self._recheck(r)
 
     def ranking(self, session_id: str) -> list[Replica]:
         return sorted(self.replicas, key=lambda r: rank(session_id, r.address), reverse=True)
 
     def any_available(self) -> bool:
-        return any(r.refused is None and r.breaker.state != OPEN for r in self.replicas)
+        return any(self.eligible(r) and r.breaker.state != OPEN for r in self.replicas)
 
     def by_address(self, address: str) -> Replica | None:
         return next((r for r in self.replicas if r.address == address), None)

@@ -176,12 +176,8 @@ class TargetPool(ReplicaPool):
 
     # -- placement --------------------------------------------------------------------------------------
 
-    def _eligible(self, replica: TargetReplica) -> bool:
-        """Not refused, and its ModelInfo checked (in a pool that checks them)."""
-        return replica.refused is None and (replica.info is not None or self.on_info is None)
-
     def usable(self, replica: TargetReplica) -> bool:
-        return self._eligible(replica) and replica.breaker.state != OPEN
+        return self.eligible(replica) and replica.breaker.state != OPEN
 
     def any_available(self) -> bool:
         return any(self.usable(r) for r in self.replicas)
@@ -189,7 +185,7 @@ class TargetPool(ReplicaPool):
     def place(self, session_id: str) -> TargetReplica | None:
         """A replica for the session (see the module docstring), counted as holding it; None: none usable now. A
         replica whose breaker's back-off is over takes the session as its probe."""
-        ranked = [r for r in self.ranking(session_id) if self._eligible(r)]
+        ranked = [r for r in self.ranking(session_id) if self.eligible(r)]
         with self._load_lock:
             live = [r for r in ranked if r.breaker.state != OPEN]
             bound = math.ceil(LOAD_SLACK * (sum(r.sessions for r in live) + 1) / max(1, len(live)))
@@ -278,7 +274,7 @@ class TargetSeat:
         """(the session's replica, whether the session just moved to it from another: its cache must be rebuilt
         there); (None, False) while no replica is usable."""
         r = self.replica
-        if r is not None and r.breaker.state != OPEN and r.refused is None and r in self.pool.replicas:
+        if r is not None and r.breaker.state != OPEN and self.pool.eligible(r) and r in self.pool.replicas:
             return r, False  # a half-open breaker: this session holds its probe
         self.leave()
         self.replica = self.pool.place(self.session_id)

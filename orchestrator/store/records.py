@@ -44,7 +44,8 @@ class _Stored:
 
 @dataclass
 class GenerationParams(_Stored):
-    """A Generate request's parameters, validated (orchestrator/api/server.py), as the session keeps them."""
+    """A Generate request's parameters as the session keeps them: validated, and its limits resolved, once when the
+    request is admitted (orchestrator/api/limits.py); everything downstream reads them from here."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -53,7 +54,9 @@ class GenerationParams(_Stored):
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     speculation: bool = True
-    max_draft_len: int = 0  # 0: the server's draft length policy; else this fixed length
+    max_draft_len: int = 0  # 0: the server's draft length policy; else this fixed length (within draft_len_limit)
+    draft_len_limit: int = 0  # the longest draft a step may ask for: the smallest of the orchestrator's, the
+    # target's and the drafts' limits (0: not resolved yet; a record stored before it existed)
     ignore_eos: bool = False
     owner: str = ""  # the principal that created the session ('' without auth)
 

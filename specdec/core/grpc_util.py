@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 import logging
+import threading
 from concurrent import futures
 from typing import Callable, Iterable
 
@@ -144,6 +145,45 @@ def make_channel(address: str, service_names: Iterable[str] = (), retries: bool 
     return telemetry.intercept_channel(channel, address)
 
 
+class HealthServicer(health.HealthServicer):
+    """grpc's health service, whose graceful shutdown ends the Health.Watch streams without holding its lock.
+
+    grpc's own pushes NOT_SERVING to every watcher while it holds the servicer's lock, and a watch stream that
+    closes meanwhile runs its close callback (which takes that lock) on grpc's thread: with several Watch streams
+    open, stop() could hang there. Here the watchers are taken out under the lock and each is sent NOT_SERVING
+    and its end outside it; a close callback that comes after finds nothing left to remove."""
+
+    GOODBYE_WAIT_S = 1.0  # the longest a stop waits for the watchers to be told (the server's stop ends the rest)
+
+    def _on_close_callback(self, send_response_callback, service):
+        def callback():
+            with self._lock:
+                self._send_response_callbacks.get(service, set()).discard(send_response_callback)
+            send_response_callback(None)
+
+        return callback
+
+    def enter_graceful_shutdown(self) -> None:
+        with self._lock:
+            if self._gracefully_shutting_down:
+                return
+            self._gracefully_shutting_down = True
+            for service in self._server_status:
+                self._server_status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+            watchers = [cb for callbacks in self._send_response_callbacks.values() for cb in callbacks]
+            self._send_response_callbacks.clear()
+        going = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        def goodbye() -> None:
+            for send in watchers:
+                send(going)  # blocks until sent: a watcher that reads nothing holds it until stop() cancels its call
+                send(None)  # ends the stream: the server's stop() has no call left to wait for
+
+        pushing = threading.Thread(target=goodbye, name="health-goodbye", daemon=True)
+        pushing.start()
+        pushing.join(self.GOODBYE_WAIT_S)
+
+
 class ServiceServer:
     """A grpc.Server with health checking and reflection, serving one or more services."""
 
@@ -154,7 +194,7 @@ class ServiceServer:
             maximum_concurrent_rpcs=max_workers * 4,
             interceptors=[telemetry.server_interceptor()],  # server spans from the caller's traceparent
         )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.health = HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         tls = tls or _tls
@@ -223,37 +263,68 @@ def call_deadline() -> float | None:
     return _CALL_DEADLINE.get()
 
 
+def _abort_for(error: BaseException, context, name: str) -> None:
+    """Abort the call with the status that fits a service exception (re-raises an RpcError as it is)."""
+    from specdec.core.kv_cache import CacheMiss, ContextTooLong
+
+    if isinstance(error, RpcAbort):
+        context.abort(error.code, error.message)
+    elif isinstance(error, CacheMiss):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+    elif isinstance(error, ContextTooLong):
+        context.abort(grpc.StatusCode.OUT_OF_RANGE, str(error))
+    elif isinstance(error, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    elif isinstance(error, MemoryError):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
+    elif isinstance(error, TimeoutError):  # queued work that did not start or finish before the call's deadline
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "deadline exceeded")
+    elif isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        raise error
+    else:  # last line of defence for a server
+        log.error("unhandled error in %s", name, exc_info=error)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+
+def _deadline_of(context) -> float | None:
+    remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
+    return time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None
+
+
 def handle_errors(method):
     """Map service exceptions to gRPC statuses with readable messages; never leak a traceback to the client."""
     import functools
 
-    from specdec.core.kv_cache import CacheMiss, ContextTooLong
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        token = _CALL_DEADLINE.set(_deadline_of(context))
+        try:
+            return method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            _abort_for(e, context, method.__name__)
+        finally:
+            _CALL_DEADLINE.reset(token)
+
+    return wrapper
+
+
+def handle_stream_errors(method):
+    """handle_errors for a server-streaming method (a generator): the messages it yielded reach the client, then
+    the error's status."""
+    import functools
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
-        token = _CALL_DEADLINE.set(time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None)
+        token = _CALL_DEADLINE.set(_deadline_of(context))
         try:
-            return method(self, request, context)
-        except RpcAbort as e:
-            context.abort(e.code, e.message)
-        except CacheMiss as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except ContextTooLong as e:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except MemoryError:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory")
-        except TimeoutError as e:  # queued work that did not start or finish before the call's deadline
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded")
-        except Exception as e:  # noqa: BLE001 - last line of defence for a server
-            if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-                raise
-            log.exception("unhandled error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            yield from method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            _abort_for(e, context, method.__name__)
         finally:
-            _CALL_DEADLINE.reset(token)
+            try:
+                _CALL_DEADLINE.reset(token)
+            except ValueError:  # closed from another context (the call ended): nothing to restore there
+                pass
 
     return wrapper
 

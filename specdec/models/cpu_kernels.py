@@ -90,16 +90,16 @@ def _native_unsupported_reason() -> str | None:
 def build_native(directory: pathlib.Path | None = None, cxx: str | None = None) -> pathlib.Path:
     """Compile csrc/*.cpp (NATIVE_SOURCES) once per source and flags (the file name carries their hash) and return
     the shared library. Safe when several processes build at once: each writes a temporary file and renames."""
-    cxx = cxx or os.environ.get("CXX") or "g++"
-    compiler = shutil.which(cxx)
-    if compiler is None:
-        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
     source = b"".join(path.read_bytes() for path in NATIVE_SOURCES)
     digest = hashlib.sha256(source + " ".join(NATIVE_FLAGS).encode()).hexdigest()[:16]
     directory = directory or kernel_dir()
     target = directory / f"skinny_gemm-{digest}.so"
-    if target.exists():
+    if target.exists():  # built already (the images build it, then drop the compiler)
         return target
+    cxx = cxx or os.environ.get("CXX") or "g++"
+    compiler = shutil.which(cxx)
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH")
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
@@ -294,8 +294,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int16_activations() -> bool:
     """Whether the int8 layers (Int8Linear, the int8 decoder stack) round their activations to int16, one scale
     per row, and multiply in integers (AVX-512 VNNI, csrc/skinny_gemm.cpp specdec_int8_gemm_a16): where the
-    native kernel runs on a CPU with VNNI, unless SPECDEC_INT16_ACTIVATIONS=off. Measured on an AMD EPYC (session
-    18), SmolLM2's 30 layers at 1 / 8 / 16 rows: 3.4 / 6.3 / 12.4 ms against 3.9 / 17.0 / 33.9 ms with float32
+    native kernel runs on a CPU with VNNI, unless SPECDEC_INT16_ACTIVATIONS=off. Measured on an AMD EPYC, SmolLM2's 30 layers at 1 / 8 / 16 rows: 3.4 / 6.3 / 12.4 ms against 3.9 / 17.0 / 33.9 ms with float32
     activations (a batched draft step over many sessions stops being bound by float FMAs), at a relative error of
     1e-4 (int8 activations were faster still but cost 2-4 points of acceptance)."""
     if os.environ.get("SPECDEC_INT16_ACTIVATIONS", "auto").lower() in ("0", "off", "false", "no"):

@@ -359,130 +359,140 @@ def _code_name(context) -> str:
     return code.name if hasattr(code, "name") else str(code)
 
 
+class _TracedMethod:
+    """One registered method's server-side tracing: a SERVER span per call, the child of the caller's
+    traceparent, its status and duration recorded when the call ends."""
+
+    def __init__(self, method: str):
+        self.attrs = _rpc_attrs(method)
+        self.name = method.lstrip("/")
+        self.observer_factory = STREAM_OBSERVERS.get(method)
+        self.fields = propagate.get_global_textmap().fields
+
+    def start(self, context):
+        carrier = {}
+        for md in context.invocation_metadata() or ():
+            carrier[md.key] = md.value
+        parent = propagate.extract(carrier, getter=_getter) if not self.fields.isdisjoint(carrier) else None
+        s = _tracer.start_span(self.name, context=parent, kind=SpanKind.SERVER, attributes=self.attrs)
+        return s, trace.set_span_in_context(s, parent), time.perf_counter()
+
+    def finish(self, s, t0, context, exc=None, cancelled=False):
+        code = _code_name(context)
+        if code == "OK" and exc is not None:
+            code = "UNKNOWN"  # an exception grpc will turn into UNKNOWN
+        elif code == "OK" and cancelled:
+            code = "CANCELLED"
+        s.set_attribute("rpc.grpc.status_code", getattr(grpc.StatusCode, code).value[0]
+                        if hasattr(grpc.StatusCode, code) else 2)
+        if code in _SERVER_ERROR_CODES:
+            s.set_status(Status(StatusCode.ERROR, code))
+            if exc is not None and type(exc) is not Exception:  # a bare Exception is grpc's abort
+                s.record_exception(exc)
+        s.end()
+        _instrument("rpc_server").record(time.perf_counter() - t0, _with_status(self.attrs, code))
+        return code
+
+    def unary(self, behavior):
+        def wrapper(request, context):
+            s, ctx, t0 = self.start(context)
+            token = otel_context.attach(ctx)
+            try:
+                result = behavior(request, context)
+            except BaseException as e:
+                otel_context.detach(token)
+                self.finish(s, t0, context, e)
+                raise
+            otel_context.detach(token)
+            self.finish(s, t0, context)
+            return result
+
+        return wrapper
+
+    def stream(self, behavior):
+        def wrapper(request, context):
+            s, ctx, t0 = self.start(context)
+            observer = self.observer_factory() if self.observer_factory else None
+            lock = threading.Lock()
+            state = {"done": False}
+
+            def end(exc=None, cancelled=False):
+                with lock:
+                    if state["done"]:
+                        return
+                    state["done"] = True
+                code = self.finish(s, t0, context, exc, cancelled)
+                if observer is not None:
+                    observer.on_end(code)
+
+            # The handler generator runs in its own contextvars.Context, so the span context
+            # (and the handler's own spans) survive across yields, whatever thread resumes it.
+            run_ctx = contextvars.copy_context()
+            run_ctx.run(otel_context.attach, ctx)
+            # A cancelled stream is never resumed: end the span when the RPC terminates.
+            context.add_callback(lambda: end(cancelled=True))
+            yield from _traced_messages(run_ctx, lambda: behavior(request, context), observer, end)
+            end()
+
+        return wrapper
+
+    def handler(self, handler):
+        """The method's handler with each call traced."""
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self.stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                self.unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self.stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self.unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+
+
+def _traced_messages(run_ctx, call, observer, end):
+    """A streaming handler's messages, each produced inside `run_ctx`; `end(exc | cancelled)` when it stops early."""
+    it = None
+    try:
+        it = run_ctx.run(lambda: iter(call()))
+        while True:
+            try:
+                msg = run_ctx.run(next, it)
+            except StopIteration:
+                break
+            if observer is not None:
+                observer.on_message(msg)
+            yield msg
+    except GeneratorExit:
+        end(cancelled=True)
+        raise
+    except BaseException as e:
+        end(e)
+        raise
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                run_ctx.run(close)
+
+
+class _ServerInterceptor(grpc.ServerInterceptor):
+    def __init__(self):
+        self._wrapped: dict = {}  # method -> (its handler, the traced handler): wrapped once, not per call
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        traced = handler if handler is None or _untraced(method) else _TracedMethod(method).handler(handler)
+        if handler is not None and len(self._wrapped) < 1024:  # registered methods only: a finite set
+            self._wrapped[method] = (handler, traced)
+        return traced
+
+
 def server_interceptor():
     """A grpc server interceptor: a SERVER span per call, the child of the caller's traceparent."""
-    class ServerInterceptor(grpc.ServerInterceptor):
-        def __init__(self):
-            self._wrapped: dict = {}  # method -> (its handler, the traced handler): wrapped once, not per call
-
-        def intercept_service(self, continuation, handler_call_details):
-            handler = continuation(handler_call_details)
-            method = handler_call_details.method
-            cached = self._wrapped.get(method)
-            if cached is not None and cached[0] is handler:
-                return cached[1]
-            traced = handler if handler is None or _untraced(method) else self._wrap(method, handler)
-            if handler is not None and len(self._wrapped) < 1024:  # registered methods only: a finite set
-                self._wrapped[method] = (handler, traced)
-            return traced
-
-        def _wrap(self, method, handler):
-            attrs = _rpc_attrs(method)
-            name = method.lstrip("/")
-            observer_factory = STREAM_OBSERVERS.get(method)
-            fields = propagate.get_global_textmap().fields
-
-            def start(context):
-                carrier = {}
-                for md in context.invocation_metadata() or ():
-                    carrier[md.key] = md.value
-                parent = propagate.extract(carrier, getter=_getter) if not fields.isdisjoint(carrier) else None
-                s = _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
-                return s, trace.set_span_in_context(s, parent), time.perf_counter()
-
-            def finish(s, t0, context, exc=None, cancelled=False):
-                code = _code_name(context)
-                if code == "OK" and exc is not None:
-                    code = "UNKNOWN"  # an exception grpc will turn into UNKNOWN
-                elif code == "OK" and cancelled:
-                    code = "CANCELLED"
-                s.set_attribute("rpc.grpc.status_code", getattr(grpc.StatusCode, code).value[0]
-                                if hasattr(grpc.StatusCode, code) else 2)
-                if code in _SERVER_ERROR_CODES:
-                    s.set_status(Status(StatusCode.ERROR, code))
-                    if exc is not None and type(exc) is not Exception:  # a bare Exception is grpc's abort
-                        s.record_exception(exc)
-                s.end()
-                _instrument("rpc_server").record(time.perf_counter() - t0, _with_status(attrs, code))
-                return code
-
-            def wrap_unary(behavior):
-                def wrapper(request, context):
-                    s, ctx, t0 = start(context)
-                    token = otel_context.attach(ctx)
-                    try:
-                        result = behavior(request, context)
-                    except BaseException as e:
-                        otel_context.detach(token)
-                        finish(s, t0, context, e)
-                        raise
-                    otel_context.detach(token)
-                    finish(s, t0, context)
-                    return result
-
-                return wrapper
-
-            def wrap_stream(behavior):
-                def wrapper(request, context):
-                    s, ctx, t0 = start(context)
-                    observer = observer_factory() if observer_factory else None
-                    lock = threading.Lock()
-                    state = {"done": False}
-
-                    def end(exc=None, cancelled=False):
-                        with lock:
-                            if state["done"]:
-                                return
-                            state["done"] = True
-                        code = finish(s, t0, context, exc, cancelled)
-                        if observer is not None:
-                            observer.on_end(code)
-
-                    # The handler generator runs in its own contextvars.Context, so the span context
-                    # (and the handler's own spans) survive across yields, whatever thread resumes it.
-                    run_ctx = contextvars.copy_context()
-                    run_ctx.run(otel_context.attach, ctx)
-                    # A cancelled stream is never resumed: end the span when the RPC terminates.
-                    context.add_callback(lambda: end(cancelled=True))
-                    it = None
-                    try:
-                        it = run_ctx.run(lambda: iter(behavior(request, context)))
-                        while True:
-                            try:
-                                msg = run_ctx.run(next, it)
-                            except StopIteration:
-                                break
-                            if observer is not None:
-                                observer.on_message(msg)
-                            yield msg
-                    except GeneratorExit:
-                        end(cancelled=True)
-                        raise
-                    except BaseException as e:
-                        end(e)
-                        raise
-                    finally:
-                        close = getattr(it, "close", None)
-                        if close is not None:
-                            with contextlib.suppress(Exception):
-                                run_ctx.run(close)
-                    end()
-
-                return wrapper
-
-            def wrap_stream_unary(behavior):
-                return wrap_unary(behavior)
-
-            if handler.request_streaming and handler.response_streaming:
-                return grpc.stream_stream_rpc_method_handler(
-                    wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
-            if handler.request_streaming:
-                return grpc.stream_unary_rpc_method_handler(
-                    wrap_stream_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-            if handler.response_streaming:
-                return grpc.unary_stream_rpc_method_handler(
-                    wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
-
-    return ServerInterceptor()
+    return _ServerInterceptor()

@@ -51,6 +51,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.unary_stream(
+                '/specdec.v1.TargetService/DecodeStream',
+                request_serializer=specdec_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetService/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -88,6 +93,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request, context):
+        """Target-only decoding of up to max_tokens tokens as a stream of blocks: the target decodes on (one row of its
+        continuous batch per step) while the caller handles the blocks; the caller ends it early by cancelling. Every
+        block carries the tokens since the last one (at least block_tokens unless the stream ends) and cached_len.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +129,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.DecodeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.DecodeStream,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.DecodeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.DecodeResponse.SerializeToString,
             ),
@@ -209,6 +228,33 @@ class TargetService:
             request,
             target,
             '/specdec.v1.TargetService/Decode',
+            specdec_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.TargetService/DecodeStream',
             specdec_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.DecodeResponse.FromString,
             options,

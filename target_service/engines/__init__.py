@@ -5,7 +5,8 @@
     torch_tree.py   the torch engine's tree verification (one forward over the token tree)
     llamacpp.py     llama.cpp on a GGUF, the fastest on a CPU
     llama_cache.py  how the llama.cpp engine's KV cache is sized
-    batching.py     shared: the verify batcher, and target-only decoding as verify steps
+    llama_steps.py  the llama.cpp engine's step loop: continuous batching of decode streams, verifies, prompt pieces
+    batching.py     the torch engine's verify batcher, and target-only decoding as verify steps
     jobs.py         shared: a verify step as the batcher sees it (VerifyJob, VerifyOutcome)
     profile.py      shared: the forward-cost profile the draft-length policy reads
     select.py       `--engine`: which engine serves, and building it

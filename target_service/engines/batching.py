@@ -140,11 +140,13 @@ class VerifyBatcher:
 
 
 def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                           stop_token_ids=frozenset(), gen=None, t0=None, session=None) -> tuple[list[int], int, float]:
+                           stop_token_ids=frozenset(), gen=None, t0=None, session=None,
+                           on_token=None) -> tuple[list[int], int, float]:
     """Target-only decoding as single-token steps, each a VerifyJob of an empty draft given to `submit` (the next
     token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other sessions'
     Verify blocks. Same tokens, and the same random stream, as sampling each step's last row directly.
-    `session`: the session object every step uses (VerifyJob.session)."""
+    `session`: the session object every step uses (VerifyJob.session). `on_token(token, cached_len)`: told each
+    token as it comes; False stops the decoding (a stream's consumer went away)."""
     t0 = time.perf_counter() if t0 is None else t0
     if gen is None and not params.is_greedy:
         gen = sampling.make_generator(seed, step, "decode")
@@ -155,6 +157,7 @@ def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, pa
                                session=session))
         out.append(res.next_token)
         cached, delta = res.cached_len, [res.next_token]
-        if res.next_token in stop_token_ids:
+        wanted = on_token is None or on_token(res.next_token, cached) is not False
+        if res.next_token in stop_token_ids or not wanted:
             break
     return out, cached, (time.perf_counter() - t0) * 1e3

@@ -4,10 +4,13 @@ quantized CPU kernels instead of being dequantized to float32 for PyTorch.
 One llama context holds every session: a session is a sequence (seq_id) with its own KV stream of
 `session_tokens` cells (kv_unified=False), so its logits do not depend on the other sessions; kv_unified=True
 shares one pool of cells (needed for trees, not batch-invariant). The cache is sized for `max_sessions` sessions
-within a memory budget (llama_cache.py). A Verify is one llama_decode of the new context tokens plus the draft block, with
-logits for the block's rows; the verdict is specdec.core.sampling's (the same code as the PyTorch engine), and the
-rejected positions leave the sequence (llama_memory_seq_rm). The batcher's jobs from several sessions go into
-the same llama_decode. Target-only decoding is a Verify of an empty block, so it runs the same code path."""
+within a memory budget (llama_cache.py).
+
+Continuous batching: one engine thread runs a step loop (llama_steps.py). Every session with work in flight adds
+its next rows to the step's single llama_decode: a decode stream its last sampled token, a Verify its context delta
+and draft block (the verdict is specdec.core.sampling's, the rejected positions leave the sequence with
+llama_memory_seq_rm), a prefill a bounded piece of its prompt. New work joins at the next step; nothing waits for a
+batching window. Target-only decoding is the same row a Verify of an empty block has, so it gives the same tokens."""
 
 from __future__ import annotations
 
@@ -17,8 +20,7 @@ import logging
 import pathlib
 import threading
 import time
-from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,8 +31,10 @@ from specdec.core import tree
 from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
-from target_service.engines.batching import VerifyBatcher, decode_as_verify_steps
+from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
+                                                VerifyWork, Work)
 from target_service.engines.profile import measure_profile
 
 log = logging.getLogger("specdec.target.llamacpp")
@@ -71,9 +75,8 @@ class LlamaModelInfo:
     kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
 
 
-# A session's rows in one llama_decode up to this many give bitwise the logits and KV of feeding them one by one
-# (llama.cpp 0.3.36 CPU, flash attention auto: 63 do, 64 do not); more rows take other kernels
-SPLIT_SAFE_ROWS = 48
+# SPLIT_SAFE_ROWS (llama_steps.py): a session's rows in one llama_decode up to this many give bitwise the logits and
+# KV of feeding them one by one (llama.cpp 0.3.36 CPU, flash attention auto: 63 do, 64 do not); more take other kernels
 
 
 def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -108,7 +111,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(StepLoop):
     """The target_service.engines.base.TargetBackend interface on llama.cpp."""
 
     def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 0,
@@ -194,27 +197,34 @@ class LlamaCppEngine:
             eos_token_ids=eos, fingerprint=fingerprint, tokenizer=tok,
             dtype="llama.cpp " + desc.value.decode(errors="replace"))
         self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
-        # Every llama_decode runs on this one thread. llama.cpp's OpenMP build gives each calling thread its own
-        # team of workers, and an idle team keeps spinning for a while: decodes arriving on the gRPC server's
-        # many handler threads left earlier teams spinning on the cores the current one needs (2-thread target,
-        # 2 cores: raw Decode RPCs ran at 0.64-0.75x a bare llama_decode loop from many threads, 0.94-0.97x
-        # from this one). A whole call (a Decode's steps, a Verify, a prefill) runs there, not just its
-        # llama_decode: a hand-off per token cost two thread wake-ups (0.3 ms a token on the 2-core EPYC VM at load
-        # average 4, several ms at 8). The public calls take the context's lock there, so no thread holding it
-        # waits for the compute thread while that thread waits for the lock.
+        # Every llama_decode runs on the engine's one step-loop thread. llama.cpp's OpenMP build gives each calling
+        # thread its own team of workers, and an idle team keeps spinning for a while: decodes arriving on the gRPC
+        # server's many handler threads left earlier teams spinning on the cores the current one needs (2-thread
+        # target, 2 cores: raw Decode RPCs ran at 0.64-0.75x a bare llama_decode loop from many threads, 0.94-0.97x
+        # from this one). A decode stream's steps never leave that thread: no hand-off per token.
         self._compute_ident = None
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="llama-compute", initializer=self._mark_compute)
+        self._works: list[Work] = []  # in arrival order; a session's later work waits for its earlier one
+        self._calls: list[CallWork] = []
+        self._work_cond = threading.Condition()
+        self._closing = False
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()  # LRU order
-        # Sessions inside a Decode call: not evicted between its steps (another session's step in between would
-        # otherwise take the sequence it just prefilled, and the call would end in a cache-miss).
-        self._decoding: Counter[str] = Counter()
+        # Sessions whose work is admitted (holding their sequence): never evicted for another session, so a stream
+        # or a chunked prefill cannot lose its tokens between its steps.
+        self._busy: set[str] = set()
         self._free_ids = list(range(self.max_sessions + 1))
         self.evictions = 0
         self.max_draft_len = max_draft_len
         self.forward_ms: list[float] = []
-        self.batcher = (VerifyBatcher(self, batch_window_ms, max_batch, wait_fraction=batch_wait_fraction)
-                        if batch_window_ms > 0 else None)
-        self.max_batch = max_batch if self.batcher is not None else 1
+        # The step loop batches every session's work continuously; batch_window_ms > 0 only says this target is
+        # meant to serve many sessions at once (the orchestrator's admission and goodput cost read max_batch).
+        self.batcher = None
+        self.max_batch = max_batch if batch_window_ms > 0 else 1
+        self.step_sessions = max(1, max_batch) if batch_window_ms > 0 else max(16, max_batch)
+        self.steps = 0  # llama_decode steps of the loop, and the sessions' works they carried (batching metrics)
+        self.step_works = 0
+        self.last_step_sessions = 0
+        self._loop_thread = threading.Thread(target=self._step_loop, name="llama-compute", daemon=True)
+        self._loop_thread.start()
         log.info("llama.cpp engine: %s, %d threads, %d sessions in %d KV cells", path.name, threads,
                  self.max_sessions, context_tokens)
 
@@ -222,23 +232,38 @@ class LlamaCppEngine:
     def vocab_size(self) -> int:
         return self._n_vocab
 
-    def _mark_compute(self) -> None:
-        self._compute_ident = threading.get_ident()
-
     def _on_compute(self, fn, *args):
-        """fn(*args) on the llama-compute thread: at once when already there, else handed over and waited for."""
+        """fn(*args) on the step-loop thread: at once when already there, else run between two steps and waited for."""
         if threading.get_ident() == self._compute_ident:
             return fn(*args)
-        return self._compute.submit(fn, *args).result()
+        call = CallWork(fn, args)
+        with self._work_cond:
+            if self._closing:
+                raise RuntimeError("the llama.cpp engine is closed")
+            self._calls.append(call)
+            self._work_cond.notify()
+        return call.wait()
+
+    def _enqueue(self, works: list[Work]) -> None:
+        """Hand works to the step loop; given together, they join the same step."""
+        with self._work_cond:
+            if self._closing:
+                raise RuntimeError("the llama.cpp engine is closed")
+            self._works.extend(works)
+            self._work_cond.notify()
 
     def close(self) -> None:
+        with self._work_cond:
+            self._closing = True
+            self._work_cond.notify()
+        if threading.current_thread() is not self._loop_thread:
+            self._loop_thread.join(timeout=60)
         with self._lock:
             if self._ctx:
                 self._ll.llama_batch_free(self._batch)
                 self._ll.llama_free(self._ctx)
                 self._ll.llama_model_free(self._model)
                 self._ctx = self._model = None
-        self._compute.shutdown(wait=False)
 
     # ----- sessions (call with self._lock held) -----
 
@@ -250,15 +275,15 @@ class LlamaCppEngine:
             self._sequences.move_to_end(session_id)
             return seq
         if len(self._sequences) >= self.max_sessions and not self._evict(keep=keep):
-            raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are in this batch or "
-                              "inside a Decode call")
+            raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are held by sessions with "
+                              "work in flight (in this step, a decode stream or a prefill)")
         seq = _Sequence(session_id, self._free_ids.pop())
         self._sequences[session_id] = seq
         return seq
 
     def _evict(self, keep) -> bool:
         """Drop the least recently used session not in `keep`; False when there is none."""
-        victim = next((sid for sid in self._sequences if sid not in keep and sid not in self._decoding), None)
+        victim = next((sid for sid in self._sequences if sid not in keep and sid not in self._busy), None)
         if victim is None:
             return False
         self._drop(victim)
@@ -359,84 +384,49 @@ class LlamaCppEngine:
 
     # ----- the TargetBackend interface -----
 
-    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
-        return self._on_compute(self._prefill, session_id, prefix_len, delta)
+    DEFAULT_WAIT_S = 60.0  # how long a call without a deadline waits for its work
 
-    def _prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
-        with self._lock:
-            seq = self._sequence(session_id)
-            if delta or prefix_len < len(seq.tokens):
-                self._forward([(seq, self._sync(seq, prefix_len, delta), 0)])
-            return len(seq.tokens)
+    @staticmethod
+    def _wait_s() -> tuple[float | None, float]:
+        """(the calling RPC's deadline, time.monotonic(); None without one, how long to wait for the work)."""
+        deadline = call_deadline()
+        now = time.monotonic()
+        return deadline, (LlamaCppEngine.DEFAULT_WAIT_S if deadline is None else max(0.0, deadline - now))
+
+    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+        deadline, wait = self._wait_s()
+        work = PrefillWork(session_id, prefix_len, delta, deadline)
+        self._enqueue([work])
+        return work.result(wait)
 
     def verify(self, session_id, prefix_len, delta, draft_tokens, draft_probs, params, seed, step,
                tree_parents=None) -> VerifyOutcome:
         job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step,
                         None if tree_parents is None else list(tree_parents))
-        return self._submit(job)
-
-    def _submit(self, job: VerifyJob) -> VerifyOutcome:
-        if self.batcher is not None:
-            return self.batcher.submit(job)
         self.verify_many([job])
         return job.outcome()
 
     def verify_many(self, jobs: list[VerifyJob]) -> None:
-        """Several sessions' blocks in one llama_decode; each job gets its outcome or its error."""
-        self._on_compute(self._verify_many, jobs)
-
-    def _verify_many(self, jobs: list[VerifyJob]) -> None:
+        """Several sessions' blocks, joining the next engine step together (a tree: a llama_decode of its own);
+        each job gets its outcome or its error."""
+        deadline, wait = self._wait_s()
         chains = []
         for job in jobs:
-            if job.tree_parents is not None:  # a tree has its own sequences: one decode per tree
-                self._verify_tree(job)
+            if job.tree_parents is not None:
+                self._on_compute(self._verify_tree, job)
+                job.done.set()
             else:
-                chains.append(job)
-        seen, first, later = set(), [], []
-        for job in chains:  # two blocks of one session cannot share a forward: the second goes next
-            (later if job.session_id in seen else first).append(job)
-            seen.add(job.session_id)
-        if first:
-            self._verify_batch(first)
-        if later:
-            self._verify_many(later)
-
-    def _verify_batch(self, jobs: list[VerifyJob]) -> None:
-        t0 = time.perf_counter()
-        with self._lock:
-            ready = []
-            in_batch = {job.session_id for job in jobs}
-            for job in jobs:
-                try:
-                    seq = self._sequence(job.session_id, keep=in_batch)
-                    new = self._sync(seq, job.prefix_len, job.delta)
-                    ready.append((seq, job, new, len(seq.tokens) + len(new)))
-                except Exception as e:  # noqa: BLE001 - reported to that job's caller only
-                    job.error = e
-            if not ready:
-                return
-            try:
-                all_logits = self._forward([(seq, new + job.draft_tokens, len(job.draft_tokens) + 1)
-                                            for seq, job, new, _ in ready])
-            except Exception as e:  # noqa: BLE001 - the forward failed: every job in it fails
-                for _, job, _, _ in ready:
-                    job.error = e
-                return
-            for (seq, job, _, context_len), logits in zip(ready, all_logits):
-                try:
-                    gen = job.generator
-                    if gen is None and not job.params.is_greedy:
-                        gen = sampling.make_generator(job.seed, job.step, "verify")
-                    # Row i predicts draft token i; the last row predicts the bonus token. Greedy takes the
-                    # numpy rows as they are (no torch conversion per step).
-                    rows = logits if job.params.is_greedy else torch.from_numpy(logits)
-                    result = sampling.verify(rows, job.draft_tokens, job.draft_probs, job.params, gen)
-                    self._crop(seq, context_len + result.num_accepted)  # the next token has no KV yet
-                    job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
-                                               (time.perf_counter() - t0) * 1e3, len(ready))
-                except Exception as e:  # noqa: BLE001
-                    self._crop(seq, context_len)  # drop the unverified drafts
-                    job.error = e
+                job.deadline = job.deadline or deadline
+                chains.append(VerifyWork(job))
+        if not chains:
+            return
+        self._enqueue(chains)
+        end = time.monotonic() + wait
+        for work in chains:
+            if not work.job.done.wait(max(0.0, end - time.monotonic())):
+                work.cancelled = True
+                work.job.error = TimeoutError("the target was busy: this step did not get its turn before the "
+                                              "call's deadline")
 
     def _verify_tree(self, job: VerifyJob) -> None:
         """A token tree in one llama_decode. Each leaf gets a scratch sequence, a copy of the session's (its cells
@@ -455,7 +445,7 @@ class LlamaCppEngine:
                                      "(kv_unified, not batch-invariant); send a chain draft")
                 if len(leaves) > len(self._scratch_ids):
                     raise ValueError(f"a tree of {len(leaves)} leaves exceeds this engine's {MAX_TREE_LEAVES}")
-                seq = self._sequence(job.session_id)
+                seq = self._sequence(job.session_id, keep=self._busy)
                 new = self._sync(seq, job.prefix_len, job.delta)
                 context_len = len(seq.tokens) + len(new)
                 if context_len + max(depth, default=-1) + 1 > self.loaded.max_context:
@@ -494,25 +484,38 @@ class LlamaCppEngine:
                 for sid in scratch.values():
                     self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
 
+    def decode_stream(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
+                      stop_token_ids=frozenset()) -> DecodeWork:
+        """Start target-only decoding of up to max_tokens tokens; the engine decodes on, one row per step, while the
+        caller takes the tokens in blocks (DecodeWork.take) or stops it (DecodeWork.cancel)."""
+        deadline, _ = self._wait_s()
+        work = DecodeWork(session_id, prefix_len, delta, deadline, max_tokens, params, seed, step, stop_token_ids)
+        self._enqueue([work])
+        return work
+
     def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
                stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
-        args = (self._submit, session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
-        with self._lock:
-            self._decoding[session_id] += 1
+        t0 = time.perf_counter()
+        _, wait = self._wait_s()
+        work = self.decode_stream(session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
+        end, tokens = time.monotonic() + wait, []
         try:
-            if self.batcher is not None:  # each step may join other sessions' batch: the batcher hands it over
-                return decode_as_verify_steps(*args)
-            return self._on_compute(decode_as_verify_steps, *args)  # every step on the compute thread, one hand-off
-        finally:
-            with self._lock:
-                self._decoding[session_id] -= 1
-                if not self._decoding[session_id]:
-                    del self._decoding[session_id]
+            while True:  # one take unless an error follows some tokens (then the next take raises it)
+                block = work.take(max_tokens, max(0.0, end - time.monotonic()))
+                tokens += block.tokens
+                if block.finished:
+                    return tokens, block.cached_len, (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            work.cancel()
+            raise
 
     def release(self, session_id: str) -> bool:
-        if self.batcher is not None:
-            self.batcher.forget(session_id)
         with self._lock:
+            for work in list(self._works):  # a work still holding the session's sequence stops with it
+                if work.session_id == session_id and work.seq is not None and not work.done:
+                    work.fail(ValueError(f"session {session_id} was released"))
+                    self._busy.discard(session_id)
+                    work.seq = None
             return self._drop(session_id)
 
     def export_kv(self, session_id: str, max_bytes: int) -> None:

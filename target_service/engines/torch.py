@@ -169,7 +169,9 @@ class TargetEngine:
         seed: int,
         step: int,
         stop_token_ids: set[int] = frozenset(),
+        on_token=None,
     ) -> tuple[list[int], int, float]:
+        """Target-only decoding; on_token as decode_as_verify_steps's (the DecodeStream RPC's blocks)."""
         t0 = time.perf_counter()
         gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
         # One session object for the whole call, batched steps included: another session's call may evict this one
@@ -181,8 +183,8 @@ class TargetEngine:
             # long row in a batch every decoding session waits for.
             prefix_len, delta = self._prefill_session(sess, prefix_len, delta[:-1]), delta[-1:]
         if self.batcher is not None:
-            return self._decode_batched(sess, prefix_len, delta, max_tokens, params, seed, step,
-                                        stop_token_ids, gen, t0)
+            return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
+                                          seed, step, stop_token_ids, gen, t0, session=sess, on_token=on_token)
         with sess.lock:
             new = self.lm.sync(sess, prefix_len, delta)
             out: list[int] = []
@@ -194,14 +196,11 @@ class TargetEngine:
                     token = int(sampling.sample(sampling.warp_probs(last, params), gen))
                 out.append(token)
                 new = [token]
-                if token in stop_token_ids:
+                wanted = on_token is None or on_token(token, len(sess.tokens)) is not False
+                if token in stop_token_ids or not wanted:
                     break
             self.store.update_size(sess)
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
-
-    def _decode_batched(self, sess, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids, gen, t0):
-        return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
-                                      seed, step, stop_token_ids, gen, t0, session=sess)
 
     def cache_bytes(self) -> int:
         return self.store.total_bytes()

@@ -1,0 +1,281 @@
+"""The llama.cpp engine's step loop (continuous batching, target_service/engines/llama_steps.py) and the
+DecodeStream RPC on the real SmolLM2 GGUF: every session's next work shares one llama_decode per step, sessions join
+and leave a running batch, a prompt is fed in pieces beside running streams, and each session's tokens are exactly
+those it gets alone. A batch that mixed up the sessions' rows or positions would change the tokens of these
+prompts (each differs from the others), so these tests fail on a broken batch.
+
+These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-python): without it they FAIL."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from orchestrator.replicas.clients import TargetClient
+from specdec.core.sampling import SamplingParams
+from target_service.engines.llama_steps import SPLIT_SAFE_ROWS
+from target_service.server import build_server
+from tests.test_llamacpp_engine import GREEDY, PROMPTS, make_engine, prompt_ids
+
+pytestmark = pytest.mark.smollm2
+
+MORE_PROMPTS = PROMPTS + [
+    "Explain in two sentences why the sky is blue.",
+    "Name three prime numbers greater than one hundred and say why each is prime.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine(max_sessions=6)
+    yield e
+    e.close()
+
+
+def alone(engine, sid: str, ids: list[int], n: int) -> list[int]:
+    tokens = engine.decode(sid, 0, ids, n, GREEDY, 0, 0)[0]
+    engine.release(sid)
+    return tokens
+
+
+class StepRecorder:
+    """Records each engine step's rows per session (seq id -> rows) by wrapping the engine's _decode."""
+
+    def __init__(self, engine):
+        self.engine, self.steps = engine, []
+
+    def __enter__(self):
+        real = self.engine._decode
+
+        def recording(entries, rollback, group_sizes=None):
+            rows: dict[int, int] = {}
+            for seq_ids, _, _, _ in entries:
+                rows[seq_ids[0]] = rows.get(seq_ids[0], 0) + 1
+            self.steps.append(rows)
+            return real(entries, rollback, group_sizes)
+
+        self.engine._decode = recording
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine._decode
+
+
+def test_a_stream_gives_the_unary_decodes_tokens_in_blocks(engine):
+    ids = prompt_ids(engine, PROMPTS[0])
+    ref = alone(engine, "ref", ids, 20)
+    stream = engine.decode_stream("s", 0, ids, 20, GREEDY, 0, 0)
+    first = stream.take(1, 30)
+    assert first.tokens and first.tokens == ref[: len(first.tokens)]
+    got = list(first.tokens)
+    while True:
+        block = stream.take(4, 30)
+        assert len(block.tokens) >= 4 or block.finished
+        got += block.tokens
+        if block.finished:
+            break
+    assert got == ref and block.cached_len == len(ids) + 19
+    engine.release("s")
+
+
+def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
+    prompts = [prompt_ids(engine, p) for p in MORE_PROMPTS]
+    refs = [alone(engine, f"ref{i}", ids, 24) for i, ids in enumerate(prompts)]
+    assert len({tuple(r) for r in refs}) == len(refs)  # distinct: a row mix-up shows
+    with StepRecorder(engine) as rec:
+        long_stream = engine.decode_stream("a", 0, prompts[0], 24, GREEDY, 0, 0)
+        got_a = list(long_stream.take(3, 60).tokens)  # "a" is generating when the others join
+        joined = [engine.decode_stream(f"j{i}", 0, prompts[i], 24, GREEDY, 0, 0) for i in (1, 2)]
+        leaver = engine.decode_stream("leaver", 0, prompts[3], 24, GREEDY, 0, 0)
+        got_leaver = list(leaver.take(5, 60).tokens)
+        leaver.cancel()  # leaves the batch mid-way; the others go on
+        outs = []
+        for work in (long_stream, *joined):
+            tokens = []
+            while True:
+                block = work.take(1, 60)
+                tokens += block.tokens
+                if block.finished:
+                    break
+            outs.append(tokens)
+    assert got_a + outs[0] == refs[0]
+    assert outs[1:] == [refs[1], refs[2]]
+    assert got_leaver == refs[3][: len(got_leaver)]
+    shared = [s for s in rec.steps if len(s) >= 3]
+    assert shared, "no step held three sessions' rows: the streams did not share llama_decode calls"
+    leaver_seq = None
+    with engine._lock:
+        assert not engine._busy  # every work retired, the cancelled one too
+        leaver_seq = engine._sequences["leaver"].seq_id
+    assert all(leaver_seq not in s for s in rec.steps[-3:])  # the cancelled stream left the batch
+    for sid in ("a", "j1", "j2", "leaver"):
+        engine.release(sid)
+
+
+def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):
+    from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
+
+    long_ids = next(prompt_ids(engine, p.text) for p in BENCH_PROMPTS if p.kind == "summary")
+    assert len(long_ids) > 3 * SPLIT_SAFE_ROWS
+    short = prompt_ids(engine, PROMPTS[1])
+    ref_long, ref_short = alone(engine, "rl", long_ids, 8), alone(engine, "rs", short, 40)
+    with StepRecorder(engine) as rec:
+        running = engine.decode_stream("run", 0, short, 40, GREEDY, 0, 0)
+        running.take(2, 60)
+        newcomer = engine.decode_stream("new", 0, long_ids, 8, GREEDY, 0, 0)
+        outs = []
+        for work in (newcomer, running):
+            tokens = []
+            while not (block := work.take(1, 60)).finished:
+                tokens += block.tokens
+            outs.append(tokens + block.tokens)
+    assert outs[0] == ref_long
+    assert ref_short[-len(outs[1]):] == outs[1]
+    with engine._lock:
+        run_seq, new_seq = engine._sequences["run"].seq_id, engine._sequences["new"].seq_id
+    prompt_steps = [s for s in rec.steps if s.get(new_seq, 0) > 1]
+    assert len(prompt_steps) >= 2  # the prompt came in pieces ...
+    assert all(s.get(run_seq) == 1 for s in prompt_steps)  # ... each beside the running stream's token
+    assert all(s[new_seq] <= engine.PREFILL_ROWS_PER_STEP for s in prompt_steps)
+    for sid in ("run", "new"):
+        engine.release(sid)
+
+
+def test_a_verify_block_joins_a_streams_step_as_it_runs_alone(engine):
+    ids_v, ids_s = (prompt_ids(engine, p) for p in PROMPTS)
+    ref = alone(engine, "vref", ids_v, 6)
+    block = ref[:3] + [(ref[3] + 1) % engine.vocab_size]
+    ref_s = alone(engine, "sref", ids_s, 30)
+    engine.prefill("v", 0, ids_v)
+    stream = engine.decode_stream("s", 0, ids_s, 30, GREEDY, 0, 0)
+    stream.take(2, 60)
+    steps_before = engine.steps
+    out = engine.verify("v", len(ids_v), [], block, None, GREEDY, 0, 0)
+    assert (out.num_accepted, out.next_token, out.cached_len) == (3, ref[3], len(ids_v) + 3)
+    assert out.batch_size == 2 and engine.steps > steps_before  # it shared the stream's step
+    tokens = []
+    while not (b := stream.take(1, 60)).finished:
+        tokens += b.tokens
+    assert ref_s[-len(tokens + b.tokens):] == tokens + b.tokens
+    for sid in ("v", "s"):
+        engine.release(sid)
+
+
+def test_a_sampled_stream_is_the_unary_decodes_random_stream(engine):
+    ids = prompt_ids(engine, PROMPTS[0])
+    params = SamplingParams(temperature=0.9, top_k=40)
+    unary = engine.decode("u", 0, ids, 12, params, 7, 3)[0]
+    engine.release("u")
+    work = engine.decode_stream("st", 0, ids, 12, params, 7, 3)
+    tokens = []
+    while not (b := work.take(4, 60)).finished:
+        tokens += b.tokens
+    assert tokens + b.tokens == unary
+    engine.release("st")
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    server = build_server(engine, "127.0.0.1:0").start()
+    client = TargetClient(server.address)
+    yield engine, client
+    client.close()
+    server.stop(0)
+
+
+def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
+    engine, client = served
+    ids = prompt_ids(engine, PROMPTS[1])
+    ref = client.decode("rpc-ref", ids, 0, 30, GREEDY, 0, 0, [], 60.0)
+    client.release("rpc-ref")
+    stream = client.decode_stream("rpc", ids, 0, 30, GREEDY, 0, 0, [], 60.0, block_tokens=4, first_block_tokens=1)
+    blocks = [stream.first]
+    while (d := stream.next()) is not None:
+        blocks.append(d)
+    assert len(blocks[0].tokens) >= 1 and all(len(b.tokens) >= 4 for b in blocks[1:-1])
+    assert [t for b in blocks for t in b.tokens] == ref.tokens
+    assert blocks[-1].cached_len == ref.cached_len == len(ids) + 29
+    client.release("rpc")
+
+
+def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
+    engine, client = served
+    ids = prompt_ids(engine, PROMPTS[0])
+    stream = client.decode_stream("cx", ids, 0, 400, GREEDY, 0, 0, [], 60.0, block_tokens=1)
+    assert stream.next() is not None
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with engine._lock:
+            if not engine._busy and not any(w.session_id == "cx" for w in engine._works):
+                break
+        time.sleep(0.02)
+    with engine._lock:
+        cached = len(engine._sequences["cx"].tokens)
+    assert cached < len(ids) + 200  # stopped long before its 400 tokens
+    time.sleep(0.3)
+    with engine._lock:
+        assert len(engine._sequences["cx"].tokens) == cached
+    client.release("cx")
+
+
+def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(served):
+    engine, client = served
+    ids = prompt_ids(engine, PROMPTS[0])
+    ref = client.decode("miss-ref", ids, 0, 10, GREEDY, 0, 0, [], 60.0).tokens
+    client.release("miss-ref")
+    committed = ids + ref[:4]
+    stream = client.decode_stream("miss", committed, len(committed) - 1, 6, GREEDY, 0, 0, [], 60.0, block_tokens=2)
+    assert stream.resynced  # the target held nothing: the whole context was resent
+    tokens = list(stream.first.tokens)
+    while (d := stream.next()) is not None:
+        tokens += d.tokens
+    assert tokens == ref[4:]
+    client.release("miss")
+
+
+def test_decode_stream_bad_input_is_a_clear_error(served):
+    engine, client = served
+    with pytest.raises(grpc.RpcError) as err:
+        client.decode_stream("bad", [1, 2], 0, 0, GREEDY, 0, 0, [], 10.0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        client.decode_stream("bad", [engine.vocab_size + 5], 0, 4, GREEDY, 0, 0, [], 10.0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_stream_ends_cleanly_before_its_deadline(served):
+    """A stream longer than its deadline allows ends after a block, before the deadline, so the caller opens the
+    next one instead of seeing DEADLINE_EXCEEDED (which would count against a busy target)."""
+    engine, client = served
+    ids = prompt_ids(engine, PROMPTS[1])
+    client.prefill("dl", ids, 0, 60.0)  # the stream's time goes to decoding, even on a loaded machine
+    stream = client.decode_stream("dl", ids, len(ids), 1500, GREEDY, 0, 0, [], 6.0, block_tokens=2)
+    n = len(stream.first.tokens)
+    while (d := stream.next()) is not None:
+        n += len(d.tokens)
+    assert 1 < n < 1500
+    client.release("dl")
+
+
+def test_concurrent_unary_calls_still_share_steps():
+    """Unary Decode calls from several threads (the orchestrator's degraded path) join each other's steps."""
+    e = make_engine(max_sessions=4)
+    try:
+        ids = [prompt_ids(e, p) for p in MORE_PROMPTS[:3]]
+        solo = [alone(e, f"solo{i}", p, 10) for i, p in enumerate(ids)]
+        works_before, steps_before = e.step_works, e.steps
+        results: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, e.decode(f"c{i}", 0, ids[i], 10, GREEDY, 0, 0)[0])) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(3)] == solo
+        assert e.step_works - works_before > e.steps - steps_before  # some step held several sessions
+    finally:
+        e.close()
