@@ -125,7 +125,7 @@ OVERSIZED = st.one_of(
 
 def test_oversized_fields_are_invalid_arguments_naming_the_field(stack):
     channel = grpc.insecure_channel(stack.orchestrator_server.address)
-    assert stack.servicer.max_prompt_tokens < 4097
+    assert stack.servicer.request_limits().max_prompt_tokens < 4097
 
     @settings(max_examples=30, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,

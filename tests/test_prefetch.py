@@ -75,7 +75,10 @@ def _streaming_gen(pending, blocks):
     state = loop_state(SessionRecord("s", [1, 2], {}, stats={"store_ms": 0.0, "store_overlapped_ms": 0.0}))
     prefetcher = Prefetcher(state, draft=None)
     prefetcher.pending = _pending(*pending)
-    gen = Stream(state, types.SimpleNamespace(prefetch=prefetcher), text=None)
+    closed_streams = []
+    target = types.SimpleNamespace(close_stream=lambda: closed_streams.append(True))
+    gen = Stream(state, types.SimpleNamespace(prefetch=prefetcher, target=target), text=None)
+    gen.closed_streams = closed_streams
     gen.rec, gen.prefetcher = state.rec, prefetcher
 
     def steps(stop):
