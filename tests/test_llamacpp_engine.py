@@ -390,7 +390,7 @@ def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path, engine):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (out["engine"], out["draft_strategy"]) == ("llamacpp", "local-ngram")
+    assert (out["engine"], out["draft_strategy"]) == ("llamacpp", "local-suffix")
     assert "target engine: llamacpp" in (tmp_path / "target.log").read_text()
     ids = prompt_ids(engine, prompt)
     engine.prefill("run-reference", 0, ids)
