@@ -21,17 +21,18 @@ def test_control_rpcs_answer_while_every_session_slot_streams(redis_url):
     # calls returned (what is tested here is the worker threads, not admission).
     stack = start_stack(redis_url, target=TARGET, draft=None, max_active_sessions=SESSIONS, adaptive_admission=False)
     target = stack.servicer.target
-    decode = target.decode
-    gate = threading.Event()  # every step waits on it here: each stream stays open, holding its worker thread
-
+    gate = threading.Event()  # every target call waits on it here: each stream stays open, holding its worker thread
     calls = threading.Semaphore(8)  # the target itself takes 32 RPCs at a time (its own limit, not tested here)
 
-    def gated_decode(*a, **k):
-        gate.wait(60)
-        with calls:
-            return decode(*a, **k)
+    def gated(call):
+        def wait_then_call(*a, **k):
+            gate.wait(60)
+            with calls:
+                return call(*a, **k)
+        return wait_then_call
 
-    target.decode = gated_decode
+    # target-only sessions stream their tokens (decode_stream); a unary decode stays gated too
+    target.decode, target.decode_stream = gated(target.decode), gated(target.decode_stream)
     channel = grpc.insecure_channel(stack.orchestrator_server.address)
     stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
     streams = []
