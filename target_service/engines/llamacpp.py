@@ -75,6 +75,17 @@ class LlamaModelInfo:
     kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
 
 
+# The KV cache holds float16 keys and q8_0 values (34 bytes per 32), so that a row's logits do not depend on the
+# shape of the ubatch it is computed in. llama.cpp's CPU flash attention (0.3.36) takes a row one of three ways: one
+# query row of one sequence over 512 or more cells (a target-only step alone) splits the keys into one chunk per
+# thread, each with a float16 accumulator, merged at the end; 64 or more rows of a sequence are computed in tiles;
+# any other shape (a verify block, a single row beside other sessions' rows) runs each row over all keys in one pass.
+# With float16 keys and values a target-only step and the same row in a verify block differed by up to 1.06 in the
+# logits at a 1416-token context (2 threads) and greedy output flipped at a top-2 margin of 0.014. The first two
+# ways need keys and values of one float type (float32 ones are cast to float16 first), so quantized values take
+# every shape through the one-pass kernel, accumulating in float32 (tests/test_llamacpp_long_context.py).
+KV_BYTES_PER_VALUE = 2 + 34 / 32  # a float16 key and a q8_0 value per layer, kv head and head dimension
+
 # SPLIT_SAFE_ROWS (llama_steps.py): a session's rows in one llama_decode up to this many give bitwise the logits and
 # KV of feeding them one by one (llama.cpp 0.3.36 CPU, flash attention auto: 63 do, 64 do not); more take other kernels
 
@@ -138,9 +149,8 @@ class LlamaCppEngine(StepLoop):
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
         head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
-        # f16 keys and values (the context's default cache type)
-        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
-            llama_cpp.llama_model_n_head_kv(self._model) * head_dim
+        self.kv_bytes_per_token = int(KV_BYTES_PER_VALUE * llama_cpp.llama_model_n_layer(self._model) *
+                                      llama_cpp.llama_model_n_head_kv(self._model) * head_dim)
         # Sequence ids: the sessions', one for the profile (it never evicts a session), and on the unified cache
         # a tree's scratch ones.
         reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
@@ -176,6 +186,8 @@ class LlamaCppEngine(StepLoop):
         cparams.n_batch = cparams.n_ubatch = batch_tokens
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = kv_unified
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # quantized values need it
+        cparams.type_k, cparams.type_v = llama_cpp.GGML_TYPE_F16, llama_cpp.GGML_TYPE_Q8_0  # see KV_BYTES_PER_VALUE
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:

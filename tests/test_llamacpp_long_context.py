@@ -1,0 +1,107 @@
+"""Greedy exactness of the llama.cpp engine on a long context (the benchmark's rag prompt, 1416 tokens), at the
+2 threads the benchmark's target runs with.
+
+llama.cpp's CPU flash attention picks its kernel by the shape of the ubatch: one query row of one sequence over
+512 or more KV cells splits the keys into one chunk per thread (each with its own float16 accumulator, merged at
+the end), any other shape runs each row over all keys in one pass. With float16 keys and values a target-only step
+(one row alone) and the same row inside a verify block, or beside other sessions' rows, then differed by up to 1.06
+in the logits, and the rag prompt's greedy output flipped at its 26th token (a top-2 margin of 0.014). The engine
+keeps the values in float32 (target_service/engines/llamacpp.py, KV_TYPES), which takes every shape through the
+one-pass kernel: the rows below must be bitwise equal, however they are batched.
+
+These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-python): without it they FAIL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.core.sampling import SamplingParams
+from specdec.eval_prompts import PROMPTS, encode
+from specdec.models import smollm2_gguf_path
+from tests.test_llamacpp_engine import MISSING
+
+pytestmark = pytest.mark.smollm2
+
+GREEDY = SamplingParams()
+THREADS = 2  # the split into per-thread chunks needs more than one thread (1 thread: one chunk, no difference)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    if MISSING:
+        pytest.fail(MISSING)
+    from target_service.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=THREADS, max_sessions=5)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def rag_ids(engine):
+    ids = encode(next(p for p in PROMPTS if p.kind == "rag"), engine.loaded.tokenizer)
+    assert len(ids) > 1024  # far past the 512 KV cells where llama.cpp's single-row kernel changes
+    return ids
+
+
+def rows_of(engine, feeds):
+    """One llama_decode per step: feeds[i] = [(session, tokens, logits rows wanted), ...]; each step's logits."""
+    def run():
+        with engine._lock:
+            out = []
+            for step in feeds:
+                rows = [(engine._sequence(sid, keep={s for s, _, _ in step}), toks, n) for sid, toks, n in step]
+                out.append([np.array(x) for x in engine._forward(rows)])
+            return out
+
+    return engine._on_compute(run)
+
+
+def test_a_row_alone_in_a_block_and_beside_other_sessions_gives_bitwise_the_same_logits(engine, rag_ids):
+    """Target-only steps (one row per llama_decode) against the same tokens as one verify block, and against the
+    same single rows sharing each llama_decode with three other sessions' rows, on the 1416-token context."""
+    sessions = ("alone", "block", "crowded", "other0", "other1", "other2")
+    for sid in sessions[:3]:
+        engine.prefill(sid, 0, rag_ids[:-1])
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.prefill(f"other{i}", 0, encode(p, engine.loaded.tokenizer)[:40])
+    try:
+        fed, alone = [rag_ids[-1]], []
+        for _ in range(6):  # greedy target-only steps
+            alone.append(rows_of(engine, [[("alone", fed[-1:], 1)]])[0][0][-1])
+            fed.append(int(alone[-1].argmax()))
+        fed, alone = fed[:-1], np.stack(alone)
+        block = rows_of(engine, [[("block", fed, len(fed))]])[0][0]
+        crowded = np.concatenate([step[0] for step in rows_of(
+            engine, [[("crowded", [t], 1)] + [(f"other{i}", [t], 1) for i in range(3)] for t in fed])])
+        gap_block, gap_crowded = np.abs(alone - block).max(), np.abs(alone - crowded).max()
+        assert np.array_equal(block, alone), f"a verify block's rows differ from single steps by up to {gap_block}"
+        assert np.array_equal(crowded, alone), f"rows beside other sessions differ by up to {gap_crowded}"
+    finally:
+        for sid in sessions:
+            engine.release(sid)
+
+
+def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engine, rag_ids):
+    """The defect the benchmark showed: 32 target-only tokens of the rag prompt, and the same positions decided by
+    verify calls with 4-token drafts, every other block with a wrong third token (a rejection, its KV cropped)."""
+    n = 32
+    reference = engine.decode("ref", 0, rag_ids, n, GREEDY, 0, 0)[0]
+    engine.release("ref")
+    out: list[int] = []
+    cached = 0
+    context = list(rag_ids)
+    block = 0
+    while len(out) < n:
+        draft = list(reference[len(out):len(out) + 4])
+        if block % 2 and len(draft) > 2:
+            draft[2] = (draft[2] + 1) % engine.vocab_size
+        outcome = engine.verify("spec", cached, context[cached:], draft, None, GREEDY, 0, block)
+        new = draft[:outcome.num_accepted] + [outcome.next_token]
+        out += new
+        context += new
+        cached = outcome.cached_len
+        block += 1
+    engine.release("spec")
+    assert out[:n] == list(reference)
