@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.clients import DecodeCall, TargetClient
 from specdec.core.sampling import SamplingParams
 from target_service.engines.llama_steps import SPLIT_SAFE_ROWS
 from target_service.server import build_server
@@ -190,9 +190,9 @@ def served(engine):
 def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[1])
-    ref = client.decode("rpc-ref", ids, 0, 30, GREEDY, 0, 0, [], 60.0)
+    ref = client.decode(DecodeCall("rpc-ref", ids, 0, 30, GREEDY), 60.0)
     client.release("rpc-ref")
-    stream = client.decode_stream("rpc", ids, 0, 30, GREEDY, 0, 0, [], 60.0, block_tokens=4, first_block_tokens=1)
+    stream = client.decode_stream(DecodeCall("rpc", ids, 0, 30, GREEDY, block_tokens=4, first_block_tokens=1), 60.0)
     blocks = [stream.first]
     while (d := stream.next()) is not None:
         blocks.append(d)
@@ -205,7 +205,7 @@ def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
 def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[0])
-    stream = client.decode_stream("cx", ids, 0, 400, GREEDY, 0, 0, [], 60.0, block_tokens=1)
+    stream = client.decode_stream(DecodeCall("cx", ids, 0, 400, GREEDY, block_tokens=1), 60.0)
     assert stream.next() is not None
     stream.cancel()
     deadline = time.monotonic() + 10
@@ -226,10 +226,10 @@ def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
 def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[0])
-    ref = client.decode("miss-ref", ids, 0, 10, GREEDY, 0, 0, [], 60.0).tokens
+    ref = client.decode(DecodeCall("miss-ref", ids, 0, 10, GREEDY), 60.0).tokens
     client.release("miss-ref")
     committed = ids + ref[:4]
-    stream = client.decode_stream("miss", committed, len(committed) - 1, 6, GREEDY, 0, 0, [], 60.0, block_tokens=2)
+    stream = client.decode_stream(DecodeCall("miss", committed, len(committed) - 1, 6, GREEDY, block_tokens=2), 60.0)
     assert stream.resynced  # the target held nothing: the whole context was resent
     tokens = list(stream.first.tokens)
     while (d := stream.next()) is not None:
@@ -241,10 +241,10 @@ def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(
 def test_decode_stream_bad_input_is_a_clear_error(served):
     engine, client = served
     with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream("bad", [1, 2], 0, 0, GREEDY, 0, 0, [], 10.0)
+        client.decode_stream(DecodeCall("bad", [1, 2], 0, 0, GREEDY), 10.0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream("bad", [engine.vocab_size + 5], 0, 4, GREEDY, 0, 0, [], 10.0)
+        client.decode_stream(DecodeCall("bad", [engine.vocab_size + 5], 0, 4, GREEDY), 10.0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -254,7 +254,7 @@ def test_a_stream_ends_cleanly_before_its_deadline(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[1])
     client.prefill("dl", ids, 0, 60.0)  # the stream's time goes to decoding, even on a loaded machine
-    stream = client.decode_stream("dl", ids, len(ids), 1500, GREEDY, 0, 0, [], 6.0, block_tokens=2)
+    stream = client.decode_stream(DecodeCall("dl", ids, len(ids), 1500, GREEDY, block_tokens=2), 6.0)
     n = len(stream.first.tokens)
     while (d := stream.next()) is not None:
         n += len(d.tokens)

@@ -279,8 +279,6 @@ TOO_LONG_YET = {
     "specdec/models/loading.py:load_model": "not split in time",
 }
 TOO_MANY_PARAMETERS_YET = {
-    "orchestrator/replicas/clients.py:TargetClient.decode_stream": "not split yet (streamed Decode); "
-                                                                   "the Decode request's fields",
     "specdec/client.py:SpecdecClient.stream": "the public client's keyword API (one per request field)",
     "offline/distill/teacher.py:teacher_generations": "not split in time",
     "offline/distill/teacher.py:teacher_text_data": "not split in time",
@@ -290,12 +288,6 @@ TOO_MANY_PARAMETERS_YET = {
     "offline/datastore_build.py:build_from_teacher_data": "not split in time",
     "draft_service/build.py:build_proposer": "the draft's settings fields (DraftSettings whole is the split)",
     "draft_service/proposers/model.py:ModelProposer.get_candidates": "the Propose request's fields",
-    "orchestrator/replicas/clients.py:TargetClient.verify": "the Verify request's fields (a typed request is the split)",
-    "orchestrator/replicas/clients.py:TargetClient.decode": "the Decode request's fields",
-    "orchestrator/replicas/clients.py:DraftClient.propose": "the Propose request's fields",
-    "orchestrator/replicas/pool.py:ReplicaPool.__init__": "health and breaker timings (a settings object is the split)",
-    "orchestrator/replicas/draft_pool.py:DraftPool.__init__": "ReplicaPool's",
-    "orchestrator/replicas/target_pool.py:TargetPool.__init__": "ReplicaPool's",
     "bench/runner.py:_assemble": "not split yet",
     "bench/summary.py:summarise_sessions": "not split yet",
     "bench/serving.py:assemble": "not split yet",
