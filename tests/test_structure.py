@@ -279,7 +279,6 @@ TOO_LONG_YET = {
     "specdec/models/loading.py:load_model": "not split in time",
 }
 TOO_MANY_PARAMETERS_YET = {
-    "specdec/client.py:SpecdecClient.stream": "the public client's keyword API (one per request field)",
     "offline/distill/teacher.py:teacher_generations": "not split in time",
     "offline/distill/teacher.py:teacher_text_data": "not split in time",
     "offline/distill/pipeline.py:run_distillation": "not split in time",
@@ -292,7 +291,6 @@ TOO_MANY_PARAMETERS_YET = {
     "bench/summary.py:summarise_sessions": "not split yet",
     "bench/serving.py:assemble": "not split yet",
     "bench/configs.py:build_configs.sd": "not split yet",
-    "chaos/load.py:run_request": "not split in time",
 }
 
 
