@@ -285,7 +285,6 @@ TOO_MANY_PARAMETERS_YET = {
     "target_service/engines/llama_steps.py:DecodeWork.__init__": "not split yet (streamed Decode)",
     "target_service/engines/torch.py:TargetEngine.decode": "TargetBackend.decode's fields",
     "target_service/streaming.py:start_decode_stream": "not split yet (streamed Decode)",
-    "specdec/client.py:SpecdecClient.stream": "the public client's keyword API (one per request field)",
     "offline/distill/teacher.py:teacher_generations": "not split in time",
     "offline/distill/teacher.py:teacher_text_data": "not split in time",
     "offline/distill/pipeline.py:run_distillation": "not split in time",
@@ -310,7 +309,6 @@ TOO_MANY_PARAMETERS_YET = {
     "bench/summary.py:summarise_sessions": "not split yet",
     "bench/serving.py:assemble": "not split yet",
     "bench/configs.py:build_configs.sd": "not split yet",
-    "chaos/load.py:run_request": "not split in time",
 }
 
 
