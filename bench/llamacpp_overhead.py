@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4,
                    help="tokens per engine.decode call (the orchestrator's fallback chunk)")
     args = p.parse_args(argv)
-    from bench.runner import cpu_model
+    from bench.machine import cpu_model
 
     res = {"machine": cpu_model(), "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
            "chunk": args.chunk, "load_average_begin": os.getloadavg()[0]}

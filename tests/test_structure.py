@@ -265,14 +265,6 @@ MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one eac
 # Functions not split yet, each with why. The goal is an empty list: split a function, then strike its line here
 # (the test fails on a line that no longer applies, so the list only shrinks).
 TOO_LONG_YET = {
-    "bench/serving.py:run": "not split yet (the llama-server anchor's levels)",
-    "bench/runner.py:run": "not split yet",
-    "bench/runner.py:_assemble": "not split yet",
-    "bench/runner.py:parse_args": "one flag per statement",
-    "bench/report.py:markdown": "not split yet",
-    "bench/report.py:plot": "not split yet",
-    "bench/summary.py:summarise_config": "not split yet",
-    "bench/summary.py:_why": "not split yet",
     "bench/measure.py:measure_overheads": "not split yet",
     "offline/distill/train.py:train_student": "one training loop; not split in time",
     "offline/distill/teacher.py:teacher_generations": "not split in time",
@@ -287,9 +279,6 @@ TOO_MANY_PARAMETERS_YET = {
     "offline/datastore_build.py:build_from_teacher_data": "not split in time",
     "draft_service/build.py:build_proposer": "the draft's settings fields (DraftSettings whole is the split)",
     "draft_service/proposers/model.py:ModelProposer.get_candidates": "the Propose request's fields",
-    "bench/runner.py:_assemble": "not split yet",
-    "bench/summary.py:summarise_sessions": "not split yet",
-    "bench/serving.py:assemble": "not split yet",
     "bench/configs.py:build_configs.sd": "not split yet",
 }
 

@@ -86,6 +86,7 @@ class TargetCall:
     def verify(self, reply):
         """Verify a draft reply (a chain, or a tree when reply.tree_parents is set); the target's VerifyReply. Moves
         the session's cache positions; the caller counts the verify (accounting.py)."""
+        switched = self.stream is not None  # the target first finishes the stream's step in flight
         self.close_stream()
         state, rec = self.state, self.state.rec
         ctx = len(rec.committed)
@@ -95,7 +96,10 @@ class TargetCall:
             v = self.call(lambda t: self.client.verify(state.verify_call(reply), t, self.wait_for_ready), "verify")
         state.count_overhead(t0, v.verify_ms)
         cost = state.measured.target_cost
-        if not tree and cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
+        if not tree and cost is not None and rec.target_pos == ctx - 1 and switched:
+            cost.observe_switch(len(reply.tokens) + 1, v.verify_ms)
+            state.step_server_ms = v.verify_ms
+        elif not tree and cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
             cost.observe(len(reply.tokens) + 1, v.verify_ms)
             state.step_server_ms = v.verify_ms
         return v
