@@ -277,8 +277,6 @@ TOO_MANY_PARAMETERS_YET = {
     "offline/distill/train.py:_student_loss": "not split in time",
     "offline/distill/train.py:_pretrain_hidden": "not split in time",
     "offline/datastore_build.py:build_from_teacher_data": "not split in time",
-    "draft_service/build.py:build_proposer": "the draft's settings fields (DraftSettings whole is the split)",
-    "draft_service/proposers/model.py:ModelProposer.get_candidates": "the Propose request's fields",
     "bench/configs.py:build_configs.sd": "not split yet",
 }
 
