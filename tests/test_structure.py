@@ -266,9 +266,6 @@ MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one eac
 # (the test fails on a line that no longer applies, so the list only shrinks).
 TOO_LONG_YET = {
     "bench/measure.py:measure_overheads": "not split yet",
-    "offline/distill/train.py:train_student": "one training loop; not split in time",
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "specdec/models/loading.py:load_model": "not split in time",
     "target_service/engines/llamacpp.py:LlamaCppEngine.__init__": "not split yet (its settings object is the split)",
 }
 TOO_MANY_PARAMETERS_YET = {
@@ -277,12 +274,6 @@ TOO_MANY_PARAMETERS_YET = {
     "target_service/engines/llama_steps.py:DecodeWork.__init__": "not split yet (streamed Decode)",
     "target_service/engines/torch.py:TargetEngine.decode": "TargetBackend.decode's fields",
     "target_service/streaming.py:start_decode_stream": "not split yet (streamed Decode)",
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "offline/distill/teacher.py:teacher_text_data": "not split in time",
-    "offline/distill/pipeline.py:run_distillation": "not split in time",
-    "offline/distill/train.py:_student_loss": "not split in time",
-    "offline/distill/train.py:_pretrain_hidden": "not split in time",
-    "offline/datastore_build.py:build_from_teacher_data": "not split in time",
     "target_service/engines/llamacpp.py:LlamaCppEngine.__init__": "not split yet (its settings object is the split)",
     "target_service/engines/llamacpp.py:LlamaCppEngine.verify": "TargetBackend.verify's signature (a VerifyJob-like "
                                                                 "request object is the split)",
@@ -297,7 +288,6 @@ TOO_MANY_PARAMETERS_YET = {
     "orchestrator/replicas/pool.py:ReplicaPool.__init__": "health and breaker timings (a settings object is the split)",
     "orchestrator/replicas/draft_pool.py:DraftPool.__init__": "ReplicaPool's",
     "orchestrator/replicas/target_pool.py:TargetPool.__init__": "ReplicaPool's",
-    "bench/configs.py:build_configs.sd": "not split yet",
 }
 
 
