@@ -150,7 +150,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
       per call."""
     import statistics
 
-    from orchestrator.replicas.clients import DraftClient, TargetClient
+    from orchestrator.replicas.clients import DecodeCall, DraftClient, TargetClient, VerifyCall
     from orchestrator.store.session_store import SessionRecord, open_store
     from specdec.core.sampling import SamplingParams
 
@@ -169,13 +169,13 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
 
         greedy = SamplingParams()
         sid = "bench-overhead"
-        first = target.decode(sid, list(ids), 0, 1, greedy, 0, 0, [], 120.0)
+        first = target.decode(DecodeCall(sid, list(ids), 0, 1, greedy), 120.0)
         ctx = list(ids) + list(first.tokens)
         drafts = [ctx[-1]] * k
         rt, model = [], []
         for i in range(model_reps):  # Verify at a fixed position: crop to ctx - 1, feed 1 + k tokens
             t0 = time.perf_counter()
-            v = target.verify(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1, 120.0)
+            v = target.verify(VerifyCall(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1), 120.0)
             rt.append((time.perf_counter() - t0) * 1e3)
             model.append(v.verify_ms)
         out["target_verify_rpc_ms"] = med(rt)
@@ -184,7 +184,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         rt, model = [], []
         for i in range(model_reps):  # Decode one token at a fixed position
             t0 = time.perf_counter()
-            d = target.decode(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i, [], 120.0)
+            d = target.decode(DecodeCall(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i), 120.0)
             rt.append((time.perf_counter() - t0) * 1e3)
             model.append(d.decode_ms)
         out["target_decode_rpc_ms"] = med(rt)
@@ -238,8 +238,10 @@ def _stream_costs(target, sid: str, ctx: list[int], greedy, tokens: int = 32, bl
     """A DecodeStream of `tokens` tokens in blocks of `block` after the context: the wait for its first block, and
     per token after it the client's wall time, the engine's time the blocks report, and the part of the wall time
     that was neither (what the stream costs beyond the engine when the caller keeps up)."""
+    from orchestrator.replicas.clients import DecodeCall
+
     t0 = time.perf_counter()
-    stream = target.decode_stream(sid, ctx, len(ctx) - 1, tokens, greedy, 0, 500, [], 120.0, block, 1)
+    stream = target.decode_stream(DecodeCall(sid, ctx, len(ctx) - 1, tokens, greedy, 0, 500, (), block, 1), 120.0)
     first_ms = (time.perf_counter() - t0) * 1e3
     t1, n, engine_ms = time.perf_counter(), 0, 0.0
     while (d := stream.next()) is not None:
@@ -278,12 +280,14 @@ def _propose_costs(draft, sid: str, ctx: list[int], k: int, greedy, model_reps: 
     """Propose of k tokens at a fixed position: round trip, the service's draft_ms, and their difference."""
     import statistics
 
+    from orchestrator.replicas.clients import ProposeCall
+
     med = statistics.median
     rt, model = [], []
-    draft.propose(sid, ctx, 0, k, greedy, 0, 0, 120.0)  # the draft prefills the prompt once
+    draft.propose(ProposeCall(sid, ctx, 0, k, greedy), 120.0)  # the draft prefills the prompt once
     for i in range(model_reps):
         t0 = time.perf_counter()
-        r = draft.propose(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1, 120.0)
+        r = draft.propose(ProposeCall(sid, ctx, len(ctx) - 1, k, greedy, 0, i + 1), 120.0)
         rt.append((time.perf_counter() - t0) * 1e3)
         model.append(r.draft_ms)
     draft.release(sid)
