@@ -265,19 +265,8 @@ MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one eac
 # Functions not split yet, each with why. The goal is an empty list: split a function, then strike its line here
 # (the test fails on a line that no longer applies, so the list only shrinks).
 TOO_LONG_YET = {
-    "bench/measure.py:measure_overheads": "not split yet",
-    "offline/distill/train.py:train_student": "one training loop; not split in time",
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "specdec/models/loading.py:load_model": "not split in time",
 }
 TOO_MANY_PARAMETERS_YET = {
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "offline/distill/teacher.py:teacher_text_data": "not split in time",
-    "offline/distill/pipeline.py:run_distillation": "not split in time",
-    "offline/distill/train.py:_student_loss": "not split in time",
-    "offline/distill/train.py:_pretrain_hidden": "not split in time",
-    "offline/datastore_build.py:build_from_teacher_data": "not split in time",
-    "bench/configs.py:build_configs.sd": "not split yet",
 }
 
 
