@@ -28,11 +28,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+
+from bench.request_loops import drain
 
 log = logging.getLogger("bench.llama_server")
 
@@ -298,24 +298,5 @@ def parse_sse(line: str) -> dict | None:
 def closed_loop(n: int, jobs: list[tuple[str, list[int]]], client: Completions, max_new: int,
                 ignore_eos: bool = False, timeout_s: float = 600.0):
     """n streams, each sending its next request when the previous one ends: (wall seconds, records)."""
-    lock = threading.Lock()
-    queue = list(jobs)
-    out = []
-
-    def stream() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                name, ids = queue.pop(0)
-            rec = client.stream(name, ids, max_new, ignore_eos)
-            with lock:
-                out.append(rec)
-
-    threads = [threading.Thread(target=stream, daemon=True, name=f"llama-server-stream-{i}") for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * (len(jobs) + 1))
-    return time.perf_counter() - t0, out
+    return drain(n, jobs, lambda _, name, ids: client.stream(name, ids, max_new, ignore_eos), timeout_s,
+                 thread_name="llama-server-stream")

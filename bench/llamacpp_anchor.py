@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     args = p.parse_args(argv)
     from specdec.eval_prompts import encode, select
-    from bench.runner import cpu_model
+    from bench.machine import cpu_model
     from specdec.models import load_tokenizer, smollm2_gguf_path
 
     gguf = str(smollm2_gguf_path())

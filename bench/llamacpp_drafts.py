@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the result JSON goes ('' = nowhere)")
     args = p.parse_args(argv)
     from specdec.eval_prompts import encode, select
-    from bench.runner import cpu_model
+    from bench.machine import cpu_model
     from specdec.models import load_tokenizer, smollm2_gguf_path
 
     tok = load_tokenizer(str(smollm2_gguf_path()))

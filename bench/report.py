@@ -59,6 +59,16 @@ def category_table(cats: dict | None, head: str | None) -> list[str]:
 
 
 def markdown(res: dict) -> str:
+    from bench.http_bench import markdown_lines
+
+    lines = _setup_lines(res) + _headline_lines(res) + category_table(res.get("by_category"), res.get("headline_config"))
+    lines += _targets_lines(res) + _single_session_lines(res) + _single_session_notes(res) + _sessions_lines(res)
+    lines += _per_step_cost_lines(res) + _per_step_table(res) + markdown_lines(res)
+    return "\n".join(lines)
+
+
+def _setup_lines(res: dict) -> list[str]:
+    """The title, the command and what ran on which machine."""
     s = res["settings"]
     m = res["machine"]
     lines = [f"# specdec benchmark ({res['mode']})", ""]
@@ -86,6 +96,12 @@ def markdown(res: dict) -> str:
               "- optional service flags: " + ", ".join(f"`{k}` {'yes' if v else 'no'}"
                                                         for k, v in res["flags_available"].items()
                                                         if isinstance(v, bool)), ""]
+    return lines
+
+
+def _headline_lines(res: dict) -> list[str]:
+    """The headline configuration's figures."""
+    lines = []
     lines += ["## Headline", "",
               f"Headline configuration: **{res.get('headline_config')}**"
               + ("" if res.get("headline_is_pipelined") else " (no pipelined configuration available; best speculative)"),
@@ -109,11 +125,22 @@ def markdown(res: dict) -> str:
                        ("speedup_vs_llama_server", "speedup vs llama-server -np 1 (HTTP, one stream)"),
                        ("speedup_vs_llama_server_ngram", "speedup vs llama-server -np 1 --spec-type ngram-simple")]:
         lines.append(f"| {label} | {_f(res.get(key), 3 if key == 'alpha' else 2)} |")
-    lines += category_table(res.get("by_category"), res.get("headline_config"))
+    return lines
+
+
+def _targets_lines(res: dict) -> list[str]:
+    """Each target with its value and whether it was met."""
+    lines = []
     lines += ["", "## Targets", "", "| target | value | met | measurement / why |", "|---|---|---|---|"]
     for t in res["targets"].values():
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {_f(t['value'])} | {met} | {t.get('why', '').replace('|', '/')} |")
+    return lines
+
+
+def _single_session_lines(res: dict) -> list[str]:
+    """The single-session configurations' table."""
+    lines = []
     lines += ["", "## Single-session configurations", "",
               "Speedups are tokens/s over specdec target-only, from the same run; the range in brackets is the "
               "min-max of the paired per-prompt ratios. Predicted = (1 - a^(g+1)) / ((1 - a)(g c + 1)) with "
@@ -138,6 +165,12 @@ def markdown(res: dict) -> str:
             f"{_f(c.get('mean_accepted_length'))} | {_g(c.get('cost_ratio_c'))} | {_f(c.get('predicted_speedup'))} | "
             f"{_f(c.get('measured_over_predicted'))} | {_f(c.get('predicted_speedup_measured_verify_cost'))} | "
             f"{_f(c.get('measured_over_predicted_measured_verify_cost'))} | {_f(c.get('output_matches_target_only'))} |")
+    return lines
+
+
+def _single_session_notes(res: dict) -> list[str]:
+    """Notes under that table: warnings, prefetches, trimmed drafts, the HF anchors' settings."""
+    lines = []
     warned = [c for c in res["configs"] if c.get("warning")]
     if warned:
         lines += [""] + [f"- **{c['label']}**: {c['warning']}" for c in warned]
@@ -157,6 +190,12 @@ def markdown(res: dict) -> str:
                          + (f" ({c['settings']['note']})" if c["settings"].get("note") else "") for c in hf]
         lines += ["- HF rows: mean accepted length = tokens per target forward (forward hooks); HF assisted acceptance "
                   "is approximate (tokens - target forwards) / draft forwards"]
+    return lines
+
+
+def _sessions_lines(res: dict) -> list[str]:
+    """The concurrent sessions sweeps' table and what ran them."""
+    lines = []
     sess = [c for c in res["configs"] if c.get("kind") == "sessions"]
     if sess:
         lines += ["", "## Concurrent sessions", "",
@@ -184,6 +223,12 @@ def markdown(res: dict) -> str:
         lines.append("- CPU cores busy: CPU seconds (user + system, all threads) each process used during the level, "
                      "over its wall time (the machine has " + str(res["machine"]["cpus"]) + "); the clients are "
                      "the benchmark process itself")
+    return lines
+
+
+def _per_step_cost_lines(res: dict) -> list[str]:
+    """The measured per-step costs: model steps, gRPC and Redis overheads."""
+    lines = []
     mb, ov = res["microbench"], res["overheads"]
     lines += ["", "## Per-step costs", "",
               f"- target decode step (1 token, in-process): {_f(mb['target_step_ms'], 1)} ms; draft step: "
@@ -211,6 +256,12 @@ def markdown(res: dict) -> str:
               f"drafter in the orchestrator (`--draft local:ngram`: no Propose round trip) "
               f"{_f(ov.get('per_step_system_overhead_local_draft_ms'), 1)} ms "
               f"({_f(100 * (ov.get('per_step_system_overhead_local_draft_ms') or 0) / mb['target_step_ms'], 1)}%)", ""]
+    return lines
+
+
+def _per_step_table(res: dict) -> list[str]:
+    """Each configuration's step time split into its parts, from the orchestrator's stats."""
+    lines = []
     lines += ["| configuration | client ms/step | target verify ms/step | draft ms/step | RPC + orchestrator overhead "
               "ms/step | store + stream ms/step | gRPC overhead on the critical path ms/step | Redis commit ms/step "
               "| prefetch wait ms/step | gRPC + Redis / target step |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -235,10 +286,7 @@ def markdown(res: dict) -> str:
               "wait column (`prefetch_wait_ms`); Redis commit = `store_ms`, in brackets the part the steps waited for "
               "(`store_ms - store_overlapped_ms`, the critical path's: a block is committed while the next step "
               "runs); the share divides gRPC + that Redis part by the target step above.", ""]
-    from bench.http_bench import markdown_lines
-
-    lines += markdown_lines(res)
-    return "\n".join(lines)
+    return lines
 
 
 def plot(res: dict, path: str | pathlib.Path) -> None:
@@ -249,6 +297,19 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
 
     cfgs = [c for c in res["configs"] if c.get("available")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 7), dpi=110)
+    _speedup_panel(ax1, cfgs)
+    _sessions_panel(ax2, cfgs)
+    fig.suptitle(f"specdec benchmark ({res['mode']}), {res['settings']['max_new_tokens']} tokens/prompt, "
+                 f"{len(res['settings']['prompts'])} prompts, greedy\ntarget {res['settings']['target_model']}; draft "
+                 f"{res['draft']['strategy']}" + (f" {res['draft']['model']}" if res['draft'].get('model') else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _speedup_panel(ax, cfgs: list[dict]) -> None:
+    """Speedup over target-only against the draft length, measured and predicted, the anchors as lines."""
 
     def fixed(kind):
         pts = sorted((c["draft_len"], c) for c in cfgs if c["kind"] == kind and isinstance(c.get("draft_len"), int))
@@ -256,14 +317,14 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
 
     gs, seq = fixed("specdec-sequential")
     if gs:
-        ax1.plot(gs, [c["speedup_vs_target_only"] for c in seq], "o-", color="tab:blue", lw=2, ms=7,
+        ax.plot(gs, [c["speedup_vs_target_only"] for c in seq], "o-", color="tab:blue", lw=2, ms=7,
                  label="specdec sequential (measured)")
         pred = [c.get("predicted_speedup") for c in seq]
         if any(p is not None for p in pred):
-            ax1.plot(gs, pred, "o--", color="tab:blue", alpha=0.45, label="sequential, predicted")
+            ax.plot(gs, pred, "o--", color="tab:blue", alpha=0.45, label="sequential, predicted")
     gp, pipe = fixed("specdec-pipelined")
     if gp:
-        ax1.plot(gp, [c["speedup_vs_target_only"] for c in pipe], "s-", color="tab:red", lw=2, ms=7,
+        ax.plot(gp, [c["speedup_vs_target_only"] for c in pipe], "s-", color="tab:red", lw=2, ms=7,
                  label="specdec pipelined (measured)")
     styles = {"specdec-seq-adaptive": ("tab:blue", ":", "sequential adaptive"),
               "specdec-pipe-adaptive": ("tab:red", ":", "pipelined adaptive"),
@@ -274,20 +335,23 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
     for c in cfgs:
         if c["name"] in styles and c.get("speedup_vs_target_only") is not None:
             color, ls, label = styles[c["name"]]
-            ax1.axhline(c["speedup_vs_target_only"], color=color, ls=ls, lw=1.6,
+            ax.axhline(c["speedup_vs_target_only"], color=color, ls=ls, lw=1.6,
                         label=f"{label}: {c['speedup_vs_target_only']:.2f}x")
-    ax1.axhline(1.0, color="black", lw=1, label="specdec target-only = 1")
-    ax1.axhline(1.5, color="black", lw=0.8, ls=(0, (1, 3)), label="target 1.5x")
+    ax.axhline(1.0, color="black", lw=1, label="specdec target-only = 1")
+    ax.axhline(1.5, color="black", lw=0.8, ls=(0, (1, 3)), label="target 1.5x")
     xs = sorted(set(gs) | set(gp))
     if xs:
-        ax1.set_xticks(xs)
-    ax1.set_xlabel("draft length g (tokens per step)")
-    ax1.set_ylabel("speedup over specdec target-only (tokens/s ratio)")
-    ax1.set_title("Speedup against draft length (1 session)")
-    ax1.grid(alpha=0.3)
-    ax1.set_ylim(bottom=0)
-    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+        ax.set_xticks(xs)
+    ax.set_xlabel("draft length g (tokens per step)")
+    ax.set_ylabel("speedup over specdec target-only (tokens/s ratio)")
+    ax.set_title("Speedup against draft length (1 session)")
+    ax.grid(alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
+
+def _sessions_panel(ax, cfgs: list[dict]) -> None:
+    """Aggregate tokens/s against concurrent sessions, per sweep, beside linear scaling and the 2x target."""
     sweeps: dict[str, list] = {}
     for c in cfgs:
         if c.get("kind") == "sessions":
@@ -298,31 +362,24 @@ def plot(res: dict, path: str | pathlib.Path) -> None:
         n = [r["sessions"] for r in rows]
         tps = [r["tokens_per_s"] for r in rows]
         label = name + (f" ({batch_label(rows[0])})" if rows[0].get("batched_verification") else "")
-        ax2.plot(n, tps, "o-", color=colors.get(name), lw=2, ms=7, label=label)
+        ax.plot(n, tps, "o-", color=colors.get(name), lw=2, ms=7, label=label)
         for x, y, r in zip(n, tps, rows):
-            ax2.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points",
+            ax.annotate(f"{r['throughput_vs_1_session']:.2f}x", (x, y), textcoords="offset points",
                          xytext=(5, 7 if si == 0 else -14), fontsize=8.5, color=colors.get(name))
-        ax2.plot(n, [tps[0] * k / n[0] for k in n], ":", color=colors.get(name), alpha=0.5,
+        ax.plot(n, [tps[0] * k / n[0] for k in n], ":", color=colors.get(name), alpha=0.5,
                  label=f"{name}: linear scaling")
-        ax2.plot([n[-1]], [2 * tps[0]], "x", color=colors.get(name), ms=9, mew=2, label=f"{name}: target 2x of 1")
+        ax.plot([n[-1]], [2 * tps[0]], "x", color=colors.get(name), ms=9, mew=2, label=f"{name}: target 2x of 1")
     if sweeps:
-        ax2.set_xscale("log", base=2)
+        ax.set_xscale("log", base=2)
         allx = sorted({r["sessions"] for rows in sweeps.values() for r in rows})
-        ax2.set_xticks(allx)
-        ax2.set_xticklabels([str(x) for x in allx])
+        ax.set_xticks(allx)
+        ax.set_xticklabels([str(x) for x in allx])
         top = max(r["tokens_per_s"] for rows in sweeps.values() for r in rows)
-        ax2.set_ylim(0, max(top, 2 * min(rows[0]["tokens_per_s"] for rows in sweeps.values())) * 1.25)
-        ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+        ax.set_ylim(0, max(top, 2 * min(rows[0]["tokens_per_s"] for rows in sweeps.values())) * 1.25)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     else:
-        ax2.text(0.5, 0.5, "no sessions sweep", ha="center", va="center", transform=ax2.transAxes)
-    ax2.set_xlabel("concurrent sessions")
-    ax2.set_ylabel("aggregate tokens/s")
-    ax2.set_title("Throughput against sessions")
-    ax2.grid(alpha=0.3)
-    fig.suptitle(f"specdec benchmark ({res['mode']}), {res['settings']['max_new_tokens']} tokens/prompt, "
-                 f"{len(res['settings']['prompts'])} prompts, greedy\ntarget {res['settings']['target_model']}; draft "
-                 f"{res['draft']['strategy']}" + (f" {res['draft']['model']}" if res['draft'].get('model') else ""),
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        ax.text(0.5, 0.5, "no sessions sweep", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Throughput against sessions")
+    ax.grid(alpha=0.3)

@@ -15,21 +15,21 @@ import json
 import logging
 import os
 import pathlib
-import platform
 import sys
 import time
 
 from bench import analysis
-from specdec.eval_prompts import CATEGORIES, Prompt, encode, select
-from bench.configs import (RUN_DEFAULT, _draft_note, build_configs, headline, orchestrator_specs,
-                           session_job_count, sessions_sweep_flags)
+from specdec.eval_prompts import CATEGORIES, encode, select
+from bench.configs import Config, RUN_DEFAULT, build_configs, headline, orchestrator_specs, sessions_sweep_flags
 from bench.categories import by_category
 from bench.llama_server import add_cli_option as add_llama_server_option
 from bench.llama_server_rows import llama_server_configs, runner_keys as llama_server_keys
 from bench.llamacpp_rows import PLAIN, PROMPT_LOOKUP, headline_vs_llamacpp, llamacpp_configs, llamacpp_session
 from bench.measure import (_run_one, measure_overheads, microbench, run_sessions_level, target_only_breakdown,
                            verify_forward)
-from bench.summary import evaluate_targets, summarise_config, summarise_sessions
+from bench.result import Measured, assemble
+from bench.run_state import BenchRun
+from bench.summary import SessionSweep, evaluate_targets, summarise_config, summarise_sessions
 
 log = logging.getLogger("bench")
 
@@ -39,6 +39,17 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    for add_flags in (_mode_flags, _model_flags, _configuration_flags, _sessions_flags, _machine_flags,
+                      _output_flags, add_llama_server_option):
+        add_flags(p)
+    a = p.parse_args(argv)
+    if a.serving:
+        p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
+    return _mode_defaults(a)
+
+
+def _mode_flags(p: argparse.ArgumentParser) -> None:
+    """Which benchmark, how long a run, what it prints."""
     p.add_argument("--quick", action="store_true",
                    help="a short run: one prompt of each category, 48 tokens, g = 4, no tree, HF target-only or "
                         "--pipeline on")
@@ -46,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serving", action="store_true",
                    help="the serving benchmark instead (bench/serving.py: closed-loop 1..64 streams and Poisson "
                         "arrivals, speculative against target-only; `python -m bench --serving --help`)")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The target, the draft and the engine, resolved as `specdec run` resolves them."""
     p.add_argument("--target-model", default="smollm2")
     p.add_argument("--draft-model", default="smollm2-draft")
     p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="auto",
@@ -56,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-strategy", choices=["auto", "model", "ngram", "hybrid", "local-ngram", "local-suffix",
                                                 "quantized"],
                    default="auto", help="auto: as `specdec run` picks it for the engine (docs/engines.md)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the draft model proposes only ids below N (draft --draft-vocab; 0 = all)")
+
+
+def _configuration_flags(p: argparse.ArgumentParser) -> None:
+    """The single-session configurations: prompts, lengths, which ones run, the anchors."""
     p.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 96; quick 48)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="prompts from specdec/eval_prompts.py, round-robin over the categories (default 2 per "
@@ -76,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heuristic", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the adaptive draft length with transformers' heuristic schedule "
                         "(--draft-len-policy heuristic) next to the goodput policy (default: on; off in quick mode)")
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
+    p.add_argument("--warmup-tokens", type=int, default=16)
+
+
+def _sessions_flags(p: argparse.ArgumentParser) -> None:
+    """The concurrent sessions sweep and its batching target."""
     p.add_argument("--sessions", default="1,2,4,8", help="concurrent sessions for the throughput sweep")
     p.add_argument("--session-jobs", type=int, default=0,
                    help="at least this many generations per session count and round (default 0: the least common "
@@ -91,14 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
     p.add_argument("--batch-wait-fraction", type=float, default=0.5,
                    help="target --batch-wait-fraction for the sessions sweep (where the checkout has it)")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="the draft model proposes only ids below N (draft --draft-vocab; 0 = all)")
     p.add_argument("--speculation-max-sessions", type=int, default=0,
                    help="the batched sessions sweep's orchestrator decodes target-only above this many generating "
                         "sessions (default 0 = no fixed switch: the goodput draft length costs each block as part "
                         "of the batch and stops drafting when that does not pay)")
-    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt-lookup anchor")
-    p.add_argument("--warmup-tokens", type=int, default=16)
+
+
+def _machine_flags(p: argparse.ArgumentParser) -> None:
+    """Threads, CPU placement, device and dtype."""
     p.add_argument("--threads", type=int, default=1,
                    help="threads per model service and torch threads in this process (a llama.cpp target drafting "
                         "in the orchestrator also gets the draft's, as `specdec run` gives it)")
@@ -107,14 +134,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(specdec/ops/cpu_affinity.py); off: the OS scheduler places them")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the results and the service logs go."""
     p.add_argument("--out-dir", default=None,
                    help="where latest.json / latest.md / latest.png go (default: bench/results/quick or /full)")
     p.add_argument("--log-dir", default=None, help="service logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
-    add_llama_server_option(p)
-    a = p.parse_args(argv)
-    if a.serving:
-        p.error("--serving has options of its own: `python -m bench --serving --help` (bench/serving.py)")
+
+
+def _mode_defaults(a: argparse.Namespace) -> argparse.Namespace:
+    """Fill what --quick or a full run decides where no flag did."""
     q = a.quick
     a.out_dir = a.out_dir or str(RESULTS_DIR / ("quick" if q else "full"))  # one current result set per mode
     a.max_new_tokens = a.max_new_tokens or (48 if q else 96)
@@ -135,35 +166,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
-    from tqdm import tqdm
 
     from bench import http_bench
-    from bench.services import BenchServices, available_flags
-    from specdec.client import SpecdecClient
+    from bench.services import available_flags
     from specdec.ops.cpu_affinity import describe as describe_cpu_plan
-    from specdec.models import load_model
-    from specdec.core.strategies import MODEL_STRATEGIES, QUANTIZED
 
+    _quiet_libraries()
+    torch.set_num_threads(args.threads)
+    t_begin = time.time()
+    load_begin = os.getloadavg()
+    flags = available_flags()
+    if not flags["target --batch-wait-fraction"]:
+        args.batch_wait_fraction = None  # an older checkout's target: its batches wait the window only
+    bench = BenchRun(args, flags, _bench_services(args, flags))
+    t0 = time.perf_counter()
+    bench.services.launch()  # the services load their models while this process loads its own (HF anchors)
+    try:
+        _load_models(bench)
+    except BaseException:
+        bench.services.stop()
+        raise
+    bench.phase("load_models")
+    close_anchors: list = []
+    session_rows: list[dict] = []
+    try:
+        bench.services.wait()
+        startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
+        bench.phase("service_startup")
+        cfgs, close_anchors = _configurations(bench)
+        micro, overheads = _step_costs(bench)
+        sweeps = _sweeps_to_run(bench)
+        live = [c for c in cfgs if c.available]
+        bench.progress = _progress_bar(bench, len(live), len(sweeps))
+        _single_session_rounds(bench, live)
+        http = http_bench.run_in_bench(bench.services, cfgs, [(p.name, bench.ids[p.name]) for p in bench.prompts],
+                                       args, bench.not_measured)
+        bench.phase("http_vs_grpc")
+        pinned = describe_cpu_plan(bench.services.cpu_plan)
+        bench.services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
+        session_rows = _sessions_sweeps(bench, cfgs, sweeps)
+        bench.phase("sessions_sweeps")
+    finally:
+        if bench.progress is not None:
+            bench.progress.close()
+        bench.services.stop()
+        for close in close_anchors:
+            close()
+    res = _result(bench, cfgs, session_rows, micro, overheads)
+    res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
+    res["machine"]["cpu_affinity"] = {
+        "single-session configurations": pinned or "not pinned (the OS scheduler places the services)",
+        "sessions sweeps": "not pinned, as `specdec up` (8 sessions ran 4-18% slower pinned)"}
+    res["machine"].update(load_average_begin=load_begin, load_average_end=os.getloadavg(),
+                          service_startup_s=startup_s, total_s=time.time() - t_begin, phases_s=bench.phases)
+    res["targets"] = evaluate_targets(res)
+    return res
+
+
+def _quiet_libraries() -> None:
     import warnings
 
     import transformers
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*")
-    torch.set_num_threads(args.threads)
-    t_begin = time.time()
-    load_begin = os.getloadavg()
-    phases: dict[str, float] = {}  # where the run's wall time went, to keep --quick under 3 minutes
-    mark = [time.perf_counter()]
 
-    def phase(name: str) -> None:
-        now = time.perf_counter()
-        phases[name] = round(phases.get(name, 0.0) + now - mark[0], 1)
-        mark[0] = now
 
-    flags = available_flags()
-    if not flags["target --batch-wait-fraction"]:
-        args.batch_wait_fraction = None  # an older checkout's target: its batches wait the window only
+def _bench_services(args: argparse.Namespace, flags: dict):
+    """The specdec services as `specdec run` starts them, not launched yet; settles the engine's choices in args."""
+    from bench.services import BenchServices
+
     services = BenchServices(args.target_model, args.draft_model, args.draft_strategy, threads=args.threads,
                              device=args.device, dtype=args.dtype, adaptive=flags["orchestrator --adaptive-draft-len"],
                              engine=args.engine,
@@ -172,163 +244,183 @@ def run(args: argparse.Namespace) -> dict:
                              draft_vocab=args.draft_vocab,
                              pin_cpus=args.pin_cpus == "auto" and flags["target --cpu-affinity"],
                              log_dir=args.log_dir)
-    strategy = services.strategy  # resolved with the engine, as `specdec run` does
-    services.orchestrators = orchestrator_specs(args, flags, strategy, services.engine)
+    services.orchestrators = orchestrator_specs(args, flags, services.strategy, services.engine)
     args.target_threads = services.target_threads
     # llama.cpp: the headline is what `specdec run` runs by default; torch: the fastest pipelined configuration
     args.headline_fixed = RUN_DEFAULT if services.engine == "llamacpp" else None
-    t0 = time.perf_counter()
-    services.launch()  # the services load their models while this process loads its own (HF anchors)
-    try:
-        target = load_model(args.target_model, device=args.device, dtype=args.dtype)
-        draft = None
-        if strategy == QUANTIZED:  # the same int8 weights, on transformers' forward (HF's assisted generation)
-            from specdec.models.cpu_kernels import quantize_linears
+    return services
 
-            draft = load_model(args.target_model, device=args.device, dtype=args.dtype, prepack="off")
-            draft.name = f"{draft.name}[int8]"
-            quantize_linears(draft.model)
-        elif strategy in MODEL_STRATEGIES:
-            draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
-        if draft is not None and strategy != QUANTIZED:  # the anchors use the same draft as the service
-            from draft_service.proposers.model import limit_draft_vocab
 
-            limit_draft_vocab(draft, args.draft_vocab)
-        tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
-        prompts: list[Prompt] = select(args.num_prompts)
-        ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in prompts}
-    except BaseException:
-        services.stop()
-        raise
-    phase("load_models")
-    not_measured: dict[str, str] = {}
-    close_anchors: list = []
-    progress = None
-    session_rows: list[dict] = []
-    try:
-        services.wait()
-        startup_s = time.perf_counter() - t0  # launch to ready, the models loaded here meanwhile
-        phase("service_startup")
-        anchors, close_anchors = llamacpp_configs(args, target.eos_token_ids)
-        servers, close_servers = llama_server_configs(args, services.target_threads, list(ids.values()))
-        anchors, close_anchors = anchors + servers, close_anchors + close_servers
-        cfgs = build_configs(args, services, target, draft, flags) + anchors
-        live = [c for c in cfgs if c.available]
-        first = ids[prompts[0].name]
-        session, close_session = (llamacpp_session(args.target_model, services.target_threads, first)
-                                  if services.engine == "llamacpp" else (None, None))
-        try:  # the target step of the engine that serves: torch in this process, or the GGUF through llama_decode
-            micro = microbench(target, draft, first, args.draft_lens, target_session=session, engine=services.engine)
-            phase("microbench")
-            overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"],
-                                          forward=verify_forward(target, first, max(args.draft_lens) + 1, session))
-        finally:
-            if close_session is not None:
-                close_session()
-        phase("overheads")
+def _load_models(bench: BenchRun) -> None:
+    """The target (and the draft the anchors use) in this process, and the prompts' token ids."""
+    from specdec.core.strategies import MODEL_STRATEGIES, QUANTIZED
+    from specdec.models.loading import load_model
 
-        batched = "target-batched" in services.addresses
-        if not batched:
-            not_measured["batched"] = "the target has no --batch-window-ms flag in this checkout"
-        unbatched = args.unbatched_sweep if args.unbatched_sweep is not None else (not args.quick or not batched)
-        n_sweeps = int(batched) + int(unbatched)
-        sweep_prompts = prompts[: max(1, min(args.session_prompts, len(prompts)))]
+    args, strategy = bench.args, bench.strategy
+    target = load_model(args.target_model, device=args.device, dtype=args.dtype)
+    draft = None
+    if strategy == QUANTIZED:  # the same int8 weights, on transformers' forward (HF's assisted generation)
+        from specdec.models.cpu_kernels import quantize_linears
 
-        def jobs_for(n: int) -> list[tuple[str, list[int]]]:
-            count = session_job_count(args, n, len(sweep_prompts))
-            return [(sweep_prompts[i % len(sweep_prompts)].name, ids[sweep_prompts[i % len(sweep_prompts)].name])
-                    for i in range(count)]
+        draft = load_model(args.target_model, device=args.device, dtype=args.dtype, prepack="off")
+        draft.name = f"{draft.name}[int8]"
+        quantize_linears(draft.model)
+    elif strategy in MODEL_STRATEGIES:
+        draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
+    if draft is not None and strategy != QUANTIZED:  # the anchors use the same draft as the service
+        from draft_service.proposers.model import limit_draft_vocab
 
-        n_single = len(live) * (1 + args.rounds * len(prompts))
-        n_sessions = n_sweeps * (1 + args.rounds * len(args.sessions))
-        progress = tqdm(total=n_single + n_sessions, file=sys.stderr, disable=args.no_progress, desc="bench",
-                        unit="run", dynamic_ncols=True)
-        for cfg in live:  # warm-up: every configuration once, untimed
-            progress.set_postfix_str(f"warm-up {cfg.name}")
-            _run_one(cfg, first, args.warmup_tokens, prompts[0].name, -1)
-            progress.update(1)
-        phase("warmup")
-        for r in range(args.rounds):
-            for pi, prompt in enumerate(prompts):
-                k = (r * len(prompts) + pi) % len(live)
-                for cfg in live[k:] + live[:k]:
-                    if not cfg.available:
-                        progress.update(1)
-                        continue
-                    progress.set_postfix_str(f"round {r + 1} {prompt.name} {cfg.name}")
-                    s = _run_one(cfg, ids[prompt.name], args.max_new_tokens, prompt.name, r)
-                    if s is not None:
-                        cfg.samples.append(s)
-                    progress.update(1)
+        limit_draft_vocab(draft, args.draft_vocab)
+    tiny_vocab = target.vocab_size if args.target_model.strip().lower().startswith("tiny") else None
+    bench.target, bench.draft = target, draft
+    bench.prompts = select(args.num_prompts)
+    bench.ids = {p.name: encode(p, target.tokenizer, chat=True, tiny_vocab=tiny_vocab) for p in bench.prompts}
 
-        phase("single_session_configs")
-        http = http_bench.run_in_bench(services, cfgs, [(p.name, ids[p.name]) for p in prompts], args, not_measured)
-        phase("http_vs_grpc")
-        pinned = describe_cpu_plan(services.cpu_plan)
-        services.unpin()  # the sweeps run as `specdec up`: many sessions' gRPC work needs the other CPU too
-        # The sessions sweeps run the headline configuration: the fastest pipelined one (else the fastest
-        # speculative one) with its orchestrator flags and draft length.
-        head_cfg = headline(cfgs, args.headline_fixed)
-        sweeps = []
-        if head_cfg is not None:
-            if batched:
-                extra = [*head_cfg.orchestrator_extra, *sessions_sweep_flags(args, flags)]
-                twin = f"{head_cfg.orchestrator}-batched"
-                if twin not in services.addresses:  # started already for a pipelined headline
-                    services.add_orchestrators({twin: ("target-batched", extra)})
-                sweeps.append(("sessions-batched", services.addresses[twin], True, "target-batched"))
-            if unbatched:
-                sweeps.append(("sessions-unbatched", services.addresses[head_cfg.orchestrator], False, "target"))
-        else:
-            not_measured["throughput_8_sessions_vs_1"] = "no speculative configuration ran"
-        n_max = max(args.sessions)
-        for name, addr, is_batched, tkind in sweeps:
-            clients = [SpecdecClient(addr) for _ in range(n_max)]
-            levels: dict[int, list] = {n: [] for n in args.sessions}
-            cpu: dict[int, list[dict[str, float]]] = {n: [] for n in args.sessions}  # CPU seconds per process
-            g = head_cfg.draft_len or 0
-            try:
-                progress.set_postfix_str(f"warm-up {name}")
-                run_sessions_level(n_max, jobs_for(n_max)[:n_max], args.warmup_tokens, clients, g)
-                progress.update(1)
-                for r in range(args.rounds):
-                    order = args.sessions if r % 2 == 0 else list(reversed(args.sessions))
-                    for n in order:
-                        progress.set_postfix_str(f"round {r + 1} {name} x{n}")
-                        cpu0 = services.cpu_seconds()
-                        wall, samples = run_sessions_level(n, jobs_for(n), args.max_new_tokens, clients, g)
-                        cpu1 = services.cpu_seconds()
-                        for s in samples:
-                            s.round = r
-                        levels[n].append((wall, samples))
-                        cpu[n].append({k: cpu1[k] - cpu0[k] for k in cpu1 if k in cpu0})
-                        progress.update(1)
-                session_rows += summarise_sessions(name, tkind, levels, is_batched, head_cfg,
-                                                   services.orchestrator_flags(extra if is_batched
-                                                                               else head_cfg.orchestrator_extra),
-                                                   args.batch_window_ms if is_batched else None,
-                                                   args.batch_wait_fraction if is_batched else None, cpu)
-            except Exception as e:  # noqa: BLE001
-                log.error("%s failed: %s", name, e)
-                session_rows.append({"name": name, "kind": "sessions", "sweep": name, "available": False,
-                                     "reason": f"failed during the run: {type(e).__name__}: {str(e)[:300]}"})
-            finally:
-                for c in clients:
-                    c.close()
-        phase("sessions_sweeps")
+
+def _configurations(bench: BenchRun) -> tuple[list[Config], list]:
+    """Every single-session configuration (specdec's, the llama.cpp anchors, llama-server) and their closers."""
+    args = bench.args
+    anchors, close_anchors = llamacpp_configs(args, bench.target.eos_token_ids)
+    servers, close_servers = llama_server_configs(args, bench.services.target_threads, list(bench.ids.values()))
+    anchors, close_anchors = anchors + servers, close_anchors + close_servers
+    return build_configs(args, bench.services, bench.target, bench.draft, bench.flags) + anchors, close_anchors
+
+
+def _step_costs(bench: BenchRun) -> tuple[dict, dict]:
+    """The model step times (microbench) and the per-step gRPC and Redis overheads."""
+    args, services = bench.args, bench.services
+    first = bench.ids[bench.prompts[0].name]
+    session, close_session = (llamacpp_session(args.target_model, services.target_threads, first)
+                              if services.engine == "llamacpp" else (None, None))
+    try:  # the target step of the engine that serves: torch in this process, or the GGUF through llama_decode
+        micro = microbench(bench.target, bench.draft, first, args.draft_lens, target_session=session,
+                           engine=services.engine)
+        bench.phase("microbench")
+        overheads = measure_overheads(services, first, k=max(args.draft_lens), step_ms=micro["target_step_ms"],
+                                      forward=verify_forward(bench.target, first, max(args.draft_lens) + 1, session))
     finally:
-        if progress is not None:
-            progress.close()
-        services.stop()
-        for close in close_anchors:
-            close()
+        if close_session is not None:
+            close_session()
+    bench.phase("overheads")
+    return micro, overheads
 
+
+def _sweeps_to_run(bench: BenchRun) -> list[str]:
+    """The sessions sweeps: batched where the target batches, unbatched unless quick mode has the batched one."""
+    batched = "target-batched" in bench.services.addresses
+    if not batched:
+        bench.not_measured["batched"] = "the target has no --batch-window-ms flag in this checkout"
+    args = bench.args
+    unbatched = args.unbatched_sweep if args.unbatched_sweep is not None else (not args.quick or not batched)
+    return ["sessions-batched"] * batched + ["sessions-unbatched"] * unbatched
+
+
+def _progress_bar(bench: BenchRun, n_live: int, n_sweeps: int):
+    from tqdm import tqdm
+
+    args = bench.args
+    n_single = n_live * (1 + args.rounds * len(bench.prompts))
+    n_sessions = n_sweeps * (1 + args.rounds * len(args.sessions))
+    return tqdm(total=n_single + n_sessions, file=sys.stderr, disable=args.no_progress, desc="bench",
+                unit="run", dynamic_ncols=True)
+
+
+def _single_session_rounds(bench: BenchRun, live: list[Config]) -> None:
+    """Warm every configuration up once, then time them all prompt by prompt, the order rotated every prompt."""
+    args, prompts, progress = bench.args, bench.prompts, bench.progress
+    for cfg in live:  # warm-up: every configuration once, untimed
+        progress.set_postfix_str(f"warm-up {cfg.name}")
+        _run_one(cfg, bench.ids[prompts[0].name], args.warmup_tokens, prompts[0].name, -1)
+        progress.update(1)
+    bench.phase("warmup")
+    for r in range(args.rounds):
+        for pi, prompt in enumerate(prompts):
+            k = (r * len(prompts) + pi) % len(live)
+            for cfg in live[k:] + live[:k]:
+                if not cfg.available:
+                    progress.update(1)
+                    continue
+                progress.set_postfix_str(f"round {r + 1} {prompt.name} {cfg.name}")
+                s = _run_one(cfg, bench.ids[prompt.name], args.max_new_tokens, prompt.name, r)
+                if s is not None:
+                    cfg.samples.append(s)
+                progress.update(1)
+    bench.phase("single_session_configs")
+
+
+def _sessions_sweeps(bench: BenchRun, cfgs: list[Config], names: list[str]) -> list[dict]:
+    """The sessions sweeps run the headline configuration (the fastest pipelined one, else the fastest speculative
+    one) with its orchestrator flags and draft length, against the batching target and the plain one."""
+    args, services = bench.args, bench.services
+    head_cfg = headline(cfgs, args.headline_fixed)
+    if head_cfg is None:
+        bench.not_measured["throughput_8_sessions_vs_1"] = "no speculative configuration ran"
+        return []
+    sweeps = []
+    for name in names:
+        if name == "sessions-batched":
+            extra = [*head_cfg.orchestrator_extra, *sessions_sweep_flags(args, bench.flags)]
+            twin = f"{head_cfg.orchestrator}-batched"
+            if twin not in services.addresses:  # started already for a pipelined headline
+                services.add_orchestrators({twin: ("target-batched", extra)})
+            sweeps.append((SessionSweep(name, "target-batched", True, head_cfg, services.orchestrator_flags(extra),
+                                        args.batch_window_ms, args.batch_wait_fraction), services.addresses[twin]))
+        else:
+            sweeps.append((SessionSweep(name, "target", False, head_cfg,
+                                        services.orchestrator_flags(head_cfg.orchestrator_extra)),
+                           services.addresses[head_cfg.orchestrator]))
+    rows: list[dict] = []
+    for sweep, address in sweeps:
+        try:
+            rows += _sessions_sweep(bench, sweep, address)
+        except Exception as e:  # noqa: BLE001
+            log.error("%s failed: %s", sweep.name, e)
+            rows.append({"name": sweep.name, "kind": "sessions", "sweep": sweep.name, "available": False,
+                         "reason": f"failed during the run: {type(e).__name__}: {str(e)[:300]}"})
+    return rows
+
+
+def _sessions_sweep(bench: BenchRun, sweep: SessionSweep, address: str) -> list[dict]:
+    """One sweep: a warm-up at the most sessions, then every session count per round, the order alternating."""
+    from specdec.client import SpecdecClient
+
+    args, services, progress = bench.args, bench.services, bench.progress
+    n_max = max(args.sessions)
+    clients = [SpecdecClient(address) for _ in range(n_max)]
+    levels: dict[int, list] = {n: [] for n in args.sessions}
+    cpu: dict[int, list[dict[str, float]]] = {n: [] for n in args.sessions}  # CPU seconds per process
+    g = sweep.head_cfg.draft_len or 0
+    try:
+        progress.set_postfix_str(f"warm-up {sweep.name}")
+        run_sessions_level(n_max, bench.jobs_for(n_max)[:n_max], args.warmup_tokens, clients, g)
+        progress.update(1)
+        for r in range(args.rounds):
+            order = args.sessions if r % 2 == 0 else list(reversed(args.sessions))
+            for n in order:
+                progress.set_postfix_str(f"round {r + 1} {sweep.name} x{n}")
+                cpu0 = services.cpu_seconds()
+                wall, samples = run_sessions_level(n, bench.jobs_for(n), args.max_new_tokens, clients, g)
+                cpu1 = services.cpu_seconds()
+                for s in samples:
+                    s.round = r
+                levels[n].append((wall, samples))
+                cpu[n].append({k: cpu1[k] - cpu0[k] for k in cpu1 if k in cpu0})
+                progress.update(1)
+        return summarise_sessions(sweep, levels, cpu)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _result(bench: BenchRun, cfgs: list[Config], session_rows: list[dict], micro: dict, overheads: dict) -> dict:
+    """The result dict: every row summarised, the headline figures, the anchors' ratios, by category."""
+    args, services = bench.args, bench.services
     baseline = next(c for c in cfgs if c.name == "specdec-target-only")
     reference = {}
     for s in baseline.samples:
         reference.setdefault(s.prompt, s.tokens)
-    rows = [summarise_config(c, baseline, micro, strategy, reference, services.engine) for c in cfgs]
-    res = _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured)
+    rows = [summarise_config(c, baseline, micro, bench.strategy, reference, services.engine) for c in cfgs]
+    res = assemble(bench, Measured(rows, session_rows, micro, overheads))
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
     target_only_row = next((r for r in rows if r["name"] == "specdec-target-only"), {})
     res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(target_only_row,
@@ -338,128 +430,8 @@ def run(args: argparse.Namespace) -> dict:
     res.update(llama_server_keys(res))
     plain = f"{PLAIN}-t{res['llamacpp_threads']}" if res.get("llamacpp_threads") else None
     lookup = next((c.name for c in cfgs if c.kind == PROMPT_LOOKUP), None)
-    res["by_category"] = by_category(prompts, cfgs, res.get("headline_config"), plain, lookup)
+    res["by_category"] = by_category(bench.prompts, cfgs, res.get("headline_config"), plain, lookup)
     res.update(engine=services.engine, engine_reason=services.engine_reason, target_threads=services.target_threads)
-    res.update(http=http, http_grpc_ratio=http and http["http_grpc_ratio"], ttft_ms=http and http["ttft_ms"])
-    res["machine"]["cpu_affinity"] = {
-        "single-session configurations": pinned or "not pinned (the OS scheduler places the services)",
-        "sessions sweeps": "not pinned, as `specdec up` (8 sessions ran 4-18% slower pinned)"}
-    res["machine"].update(load_average_begin=load_begin, load_average_end=os.getloadavg(),
-                          service_startup_s=startup_s, total_s=time.time() - t_begin, phases_s=phases)
-    res["targets"] = evaluate_targets(res)
-    return res
-
-
-def cpu_model() -> str:
-    """The CPU's name (/proc/cpuinfo): the hosts differ between runs, and so do their ratios."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _assemble(args, rows, session_rows, micro, overheads, flags, strategy, draft, prompts, ids, not_measured) -> dict:
-    import torch
-    import transformers
-
-    by = {r["name"]: r for r in rows}
-    ok = lambda r: r.get("available") and r.get("tokens_per_s")  # noqa: E731
-    pipelined = [r for r in rows if r["kind"] == "specdec-pipelined" and ok(r)]
-    sequential = [r for r in rows if r["kind"] == "specdec-sequential" and ok(r)]
-    fixed = getattr(args, "headline_fixed", None)
-    if fixed and ok(by.get(fixed, {})):  # the llama.cpp engine: what `specdec run` runs by default
-        head = by[fixed]
-    elif pipelined:
-        if fixed:
-            not_measured["headline_config"] = (f"{fixed} (`specdec run`'s default) did not run: "
-                                               f"{by.get(fixed, {}).get('reason', 'not configured')}; the fastest "
-                                               "pipelined configuration stands in")
-        head = max(pipelined, key=lambda r: r["tokens_per_s"])
-    else:
-        head = max(sequential, key=lambda r: r["tokens_per_s"]) if sequential else None
-        not_measured["pipelined_speedup_vs_target_only"] = next(
-            (r.get("reason", "") for r in rows if r["kind"] == "specdec-pipelined"), "no pipelined configuration")
-        not_measured["pipelined_faster_than_sequential"] = not_measured["pipelined_speedup_vs_target_only"]
-    best_seq = max(sequential, key=lambda r: r["tokens_per_s"]) if sequential else None
-    hf_anchor = by.get("hf-assisted") if ok(by.get("hf-assisted", {})) else by.get("hf-prompt-lookup")
-    if hf_anchor is not None and not ok(hf_anchor):
-        hf_anchor = None
-    sweep_name = next((n for n in ("sessions-batched", "sessions-unbatched")
-                       if any(r.get("sweep") == n and r.get("available") for r in session_rows)), None)
-    sweep = [r for r in session_rows if r.get("sweep") == sweep_name and r.get("available")]
-    s1 = next((r for r in sweep if r["sessions"] == 1), None)
-    smax = max(sweep, key=lambda r: r["sessions"]) if sweep else None
-    if smax is None:
-        not_measured["throughput_8_sessions_vs_1"] = next((r.get("reason", "") for r in session_rows), "no sweep ran")
-    head_tps = head["tokens_per_s"] if head else None
-    same_policy = None
-    if head and head["kind"] == "specdec-pipelined":
-        # pipelined adaptive (on or auto) vs sequential adaptive; pipelined g=N vs sequential g=N
-        twin = by.get(head["name"].replace("-pipe-auto-", "-seq-").replace("-pipe-", "-seq-"))
-        same_policy = analysis.ratio(head_tps, twin.get("tokens_per_s")) if twin and ok(twin) else None
-    res = {
-        "benchmark": "specdec",
-        "command": None,  # set by main()
-        "mode": "quick" if args.quick else "full",
-        "headline_config": head["name"] if head else None,
-        "headline_is_pipelined": bool(head and head["kind"] == "specdec-pipelined"),
-        "speedup_vs_target_only": head.get("speedup_vs_target_only") if head else None,
-        "speedup_vs_hf_assisted": analysis.ratio(head_tps, hf_anchor["tokens_per_s"]) if head and hf_anchor else None,
-        "hf_anchor": hf_anchor["name"] if hf_anchor else None,
-        "speedup_vs_hf_prompt_lookup": analysis.ratio(head_tps, by.get("hf-prompt-lookup", {}).get("tokens_per_s"))
-        if head else None,
-        "speedup_vs_hf_target_only": analysis.ratio(head_tps, by.get("hf-target-only", {}).get("tokens_per_s"))
-        if head else None,
-        "pipelined_vs_sequential": (analysis.ratio(head_tps, best_seq["tokens_per_s"])
-                                    if head and head["kind"] == "specdec-pipelined" and best_seq else None),
-        "best_sequential_config": best_seq["name"] if best_seq else None,
-        "pipelined_vs_sequential_same_policy": same_policy,
-        "acceptance_rate": head.get("acceptance_rate") if head else None,
-        "alpha": head.get("alpha") if head else None,
-        "mean_accepted_length": head.get("mean_accepted_length") if head else None,
-        "predicted_speedup": head.get("predicted_speedup") if head else None,
-        "measured_over_predicted": head.get("measured_over_predicted") if head else None,
-        "decode_phase_speedup_vs_target_only": head.get("decode_phase_speedup_vs_target_only") if head else None,
-        "measured_over_predicted_decode_phase": head.get("measured_over_predicted_decode_phase") if head else None,
-        "tokens_per_s": head_tps,
-        "target_only_tokens_per_s": by["specdec-target-only"].get("tokens_per_s"),
-        "throughput_8_sessions_vs_1": analysis.ratio(smax["tokens_per_s"], s1["tokens_per_s"]) if smax and s1 else None,
-        "system_overhead_share": head.get("system_overhead_share") if head else None,
-        "system_overhead_ms_per_step": head.get("system_overhead_ms_per_step") if head else None,
-        "sessions_sweep": sweep_name,
-        "max_sessions": smax["sessions"] if smax else None,
-        "draft": {"strategy": strategy,
-                  "model": None if draft is None else draft.name if strategy == "quantized" else args.draft_model,
-                  "note": _draft_note(args, strategy)},
-        "flags_available": flags,
-        "settings": {"target_model": args.target_model, "max_new_tokens": args.max_new_tokens,
-                     "prompts": [{"name": p.name, "kind": p.kind, "prompt_tokens": len(ids[p.name])} for p in prompts],
-                     "rounds": args.rounds, "draft_lens": args.draft_lens, "sessions": args.sessions,
-                     "session_jobs": {n: session_job_count(args, n, min(args.session_prompts, len(prompts)))
-                                      for n in args.sessions},
-                     "session_prompts": [p.name for p in prompts[: max(1, min(args.session_prompts, len(prompts)))]],
-                     "batch_window_ms": args.batch_window_ms
-                     if flags["target --batch-window-ms"] else None,
-                     "batch_wait_fraction": args.batch_wait_fraction, "threads": args.threads,
-                     "target_threads": getattr(args, "target_threads", args.threads),
-                     "decoding": "greedy (temperature 0)", "chat_template": True, "warmup_tokens": args.warmup_tokens,
-                     "timing": "client wall time per generation (request sent -> final message), prefill included; "
-                               "tokens/s = all generated tokens / all wall time of a configuration",
-                     "interleaving": "every prompt runs every configuration back to back, the order rotated by one "
-                                     "per prompt; session counts alternate order per round"},
-        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": torch.backends.cpu.get_cpu_capability(),
-                    "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "device": str(getattr(draft, "device", None) or args.device)},
-        "microbench": micro,
-        "overheads": overheads,
-        "not_measured": not_measured,
-        "configs": rows + session_rows,
-    }
     return res
 
 

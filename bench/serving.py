@@ -24,9 +24,12 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from bench.llama_server import add_cli_option as add_llama_server_option
 from bench.llama_server_rows import ServingAnchor
+from bench.request_loops import drain
 from bench.serving_metrics import (RequestRecord, evaluate_targets, level_row, poisson_arrivals, same_outputs,
                                    summarise_level)
 
@@ -221,27 +224,8 @@ def without_session_ids(message: str) -> str:
 def closed_loop(n: int, jobs: list[tuple[str, list[int]]], clients: list, max_new: int, speculative: bool,
                 timeout_s: float) -> tuple[float, list[RequestRecord]]:
     """n streams, each sending its next request when its previous one ends, until the job list is drained."""
-    lock = threading.Lock()
-    queue = list(jobs)
-    out: list[RequestRecord] = []
-
-    def stream(client):
-        while True:
-            with lock:
-                if not queue:
-                    return
-                name, ids = queue.pop(0)
-            rec = one_request(client, name, ids, max_new, speculative, timeout_s)
-            with lock:
-                out.append(rec)
-
-    threads = [threading.Thread(target=stream, args=(clients[i % len(clients)],), daemon=True) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * (len(jobs) + 1))
-    return time.perf_counter() - t0, out
+    return drain(n, jobs, lambda i, name, ids: one_request(clients[i % len(clients)], name, ids, max_new, speculative,
+                                                           timeout_s), timeout_s)
 
 
 def open_loop(arrivals: list[float], jobs: list[tuple[str, list[int]]], clients: list, max_new: int,
@@ -314,90 +298,139 @@ def _progress(args, total: int):
     return tqdm(total=total, file=sys.stderr, disable=args.no_progress, desc="serving", unit="run", dynamic_ncols=True)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from specdec.eval_prompts import encode, select
-    from specdec.client import SpecdecClient
-    from specdec.models import load_tokenizer, parse_tiny_spec
+@dataclass
+class ServingRun:
+    """One serving benchmark's state, shared by its levels: the stack, its clients and what was measured."""
 
-    t_begin = time.time()
-    load_begin = os.getloadavg()
-    tok = load_tokenizer(args.target_model)
-    tiny_vocab = (int(parse_tiny_spec(args.target_model)["vocab"])
-                  if args.target_model.strip().lower().startswith("tiny") else None)
-    prompts = [(p.name, encode(p, tok, chat=True, tiny_vocab=tiny_vocab)) for p in select(args.num_prompts)]
+    args: argparse.Namespace
+    prompts: list[tuple[str, list[int]]]          # (name, token ids)
+    stack: Any                                    # launcher.stack.LocalStack, started
+    anchor: ServingAnchor                         # llama-server on the same requests, where it runs
+    pids: dict[str, int]                          # process name -> pid, for the RSS samples
+    kv_urls: dict[str, str]                       # model service -> its Prometheus endpoint (KV cache gauges)
+    clients: list = field(default_factory=list)
+    progress: Any = None
+    started: tuple[float, tuple] = (0.0, ())      # time.time() and the load average when the run began
+    startup_s: float = 0.0
+    levels: list[dict] = field(default_factory=list)
+    poisson: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)    # mode -> peak RSS and KV cache at the highest concurrency
+
+
+def run(args: argparse.Namespace) -> dict:
+    from specdec.client import SpecdecClient
+
+    started = (time.time(), os.getloadavg())
+    prompts = _encoded_prompts(args)
     anchor = ServingAnchor.create(args.llama_server, args.target_model, args.threads, [ids for _, ids in prompts],
                                   args.max_new_tokens, args.log_dir)  # before the stack: it may install llama-server
     stack, base = start_stack(args)
     anchor.threads = stack.target_threads  # the same threads as specdec's target
-    startup_s = time.time() - t_begin
+    sr = ServingRun(args, prompts, stack, anchor, _pids(stack), _kv_urls(stack, base), started=started,
+                    startup_s=time.time() - started[0])
+    n_max = max(args.concurrency)
+    sr.clients = [SpecdecClient(stack.address, timeout_s=args.request_timeout_s) for _ in range(min(n_max, 64))]
+    n_rates = len(args.request_rates) if args.request_rates is not None else 3
+    sr.progress = _progress(args, 2 * (1 + len(args.concurrency) + n_rates))
+    try:
+        for spec in (True, False):  # warm-up, untimed: connections, the first sessions, the policy's step costs
+            sr.progress.set_postfix_str("warm-up")
+            closed_loop(min(2, n_max), level_jobs(prompts, min(2, n_max)), sr.clients, args.warmup_tokens, spec,
+                        args.request_timeout_s)
+            sr.progress.update(1)
+        for li, n in enumerate(args.concurrency):
+            sr.levels.append(_concurrency_level(sr, li, n))
+        for ri, rate in enumerate(_request_rates(args, sr.levels)):
+            sr.poisson.append(_poisson_level(sr, ri, rate))
+    finally:
+        sr.progress.close()
+        for c in sr.clients:
+            c.close()
+        stack.stop()
+    res = assemble(sr)
+    res["serving"]["llama_server"] = anchor.describe(sr.levels)
+    return res
+
+
+def _encoded_prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    from specdec.eval_prompts import encode, select
+    from specdec.models import load_tokenizer, parse_tiny_spec
+
+    tok = load_tokenizer(args.target_model)
+    tiny_vocab = (int(parse_tiny_spec(args.target_model)["vocab"])
+                  if args.target_model.strip().lower().startswith("tiny") else None)
+    return [(p.name, encode(p, tok, chat=True, tiny_vocab=tiny_vocab)) for p in select(args.num_prompts)]
+
+
+def _pids(stack) -> dict[str, int]:
     pids = {p.name: p.proc.pid for p in stack.services() if p.proc is not None}
     if stack.redis is not None and stack.redis.proc is not None:
         pids["redis"] = stack.redis.proc.pid
+    return pids
+
+
+def _kv_urls(stack, base: int) -> dict[str, str]:
     kv_urls = {"target": f"http://127.0.0.1:{base + 1}/metrics"}
     kv_urls.update({d.name: f"http://127.0.0.1:{base + 2 + i}/metrics" for i, d in enumerate(stack.drafts)})
+    return kv_urls
+
+
+def _concurrency_level(sr: ServingRun, li: int, n: int) -> dict:
+    """n closed-loop streams, speculative and target-only back to back on the same requests (the order alternating
+    per level), then llama-server with -np n where it runs."""
+    args, progress = sr.args, sr.progress
     n_max = max(args.concurrency)
-    clients = [SpecdecClient(stack.address, timeout_s=args.request_timeout_s) for _ in range(min(n_max, 64))]
-    levels, poisson, memory = [], [], {}
-    n_rates = len(args.request_rates) if args.request_rates is not None else 3
-    progress = _progress(args, 2 * (1 + len(args.concurrency) + n_rates))
-    try:
-        for spec in (True, False):  # warm-up, untimed: connections, the first sessions, the policy's step costs
-            progress.set_postfix_str("warm-up")
-            closed_loop(min(2, n_max), level_jobs(prompts, min(2, n_max)), clients, args.warmup_tokens, spec,
-                        args.request_timeout_s)
-            progress.update(1)
-        for li, n in enumerate(args.concurrency):
-            jobs = level_jobs(prompts, max(args.min_requests, n * args.requests_per_stream), offset=li)
-            got = {}
-            for mode in (MODES if li % 2 == 0 else MODES[::-1]):
-                progress.set_postfix_str(f"{n} streams {mode}")
-                with Sampler(pids, kv_urls if n == n_max else None, interval_s=0.25) as s:
-                    wall, recs = closed_loop(n, jobs, clients, args.max_new_tokens, mode == "speculative",
-                                             args.request_timeout_s)
-                got[mode] = (summarise_level(recs, wall), recs, s)
-                got[mode][0]["rss_mib_peak"] = dict(s.rss)
-                if n == n_max:
-                    memory[mode] = {"rss_mib_peak": dict(s.rss), "kv_cache": dict(s.kv)}
-                progress.update(1)
-            row = level_row("concurrency", n, got["speculative"][0], got["target_only"][0],
-                            same_outputs(got["speculative"][1], got["target_only"][1]))
-            row["rss_mib_peak"] = {k: max(got[m][0]["rss_mib_peak"].get(k, 0.0) for m in MODES) for k in pids}
-            if anchor.binary:  # llama-server with -np n on the same requests, right after specdec's two modes
-                progress.set_postfix_str(f"{n} streams llama-server")
-                row.update(anchor.level(n, jobs, args.max_new_tokens, args.warmup_tokens, args.request_timeout_s,
-                                        {m: got[m][:2] for m in MODES}))
-            levels.append(row)
-            progress.write(_level_line(f"{n} streams", row), file=sys.stderr)
-        rates = args.request_rates
-        if rates is None:  # fractions of the saturated target-only request rate measured above
-            peak = max((r["target_only_requests_per_s"] or 0.0) for r in levels)
-            fractions = (0.5, 0.75, 1.0) if args.quick else (0.25, 0.5, 0.75)  # quick: shorter arrival spans
-            rates = [round(f * peak, 3) for f in fractions] if peak > 0 else []
-        for ri, rate in enumerate(rates):
-            arrivals = poisson_arrivals(rate, args.poisson_requests, seed=args.seed + ri)
-            jobs = level_jobs(prompts, args.poisson_requests, offset=ri)
-            got = {}
-            for mode in (MODES if ri % 2 == 0 else MODES[::-1]):
-                progress.set_postfix_str(f"poisson {rate}/s {mode}")
-                with Sampler(pids) as s:
-                    wall, recs = open_loop(arrivals, jobs, clients, args.max_new_tokens, mode == "speculative",
-                                           args.request_timeout_s)
-                got[mode] = (summarise_level(recs, wall), recs)
-                got[mode][0]["rss_mib_peak"] = dict(s.rss)
-                progress.update(1)
-            row = level_row("request_rate", rate, got["speculative"][0], got["target_only"][0],
-                            same_outputs(got["speculative"][1], got["target_only"][1]))
-            row["arrival_span_s"] = arrivals[-1] if arrivals else 0.0
-            poisson.append(row)
-            progress.write(_level_line(f"Poisson {rate}/s", row), file=sys.stderr)
-    finally:
-        progress.close()
-        for c in clients:
-            c.close()
-        stack.stop()
-    res = assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, load_begin)
-    res["serving"]["llama_server"] = anchor.describe(levels)
-    return res
+    jobs = level_jobs(sr.prompts, max(args.min_requests, n * args.requests_per_stream), offset=li)
+    got = {}
+    for mode in (MODES if li % 2 == 0 else MODES[::-1]):
+        progress.set_postfix_str(f"{n} streams {mode}")
+        with Sampler(sr.pids, sr.kv_urls if n == n_max else None, interval_s=0.25) as s:
+            wall, recs = closed_loop(n, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
+                                     args.request_timeout_s)
+        got[mode] = (summarise_level(recs, wall), recs, s)
+        got[mode][0]["rss_mib_peak"] = dict(s.rss)
+        if n == n_max:
+            sr.memory[mode] = {"rss_mib_peak": dict(s.rss), "kv_cache": dict(s.kv)}
+        progress.update(1)
+    row = level_row("concurrency", n, got["speculative"][0], got["target_only"][0],
+                    same_outputs(got["speculative"][1], got["target_only"][1]))
+    row["rss_mib_peak"] = {k: max(got[m][0]["rss_mib_peak"].get(k, 0.0) for m in MODES) for k in sr.pids}
+    if sr.anchor.binary:  # llama-server with -np n on the same requests, right after specdec's two modes
+        progress.set_postfix_str(f"{n} streams llama-server")
+        row.update(sr.anchor.level(n, jobs, args.max_new_tokens, args.warmup_tokens, args.request_timeout_s,
+                                   {m: got[m][:2] for m in MODES}))
+    progress.write(_level_line(f"{n} streams", row), file=sys.stderr)
+    return row
+
+
+def _request_rates(args: argparse.Namespace, levels: list[dict]) -> list[float]:
+    """--request-rates, else fractions of the saturated target-only request rate the closed loop measured."""
+    if args.request_rates is not None:
+        return args.request_rates
+    peak = max((r["target_only_requests_per_s"] or 0.0) for r in levels)
+    fractions = (0.5, 0.75, 1.0) if args.quick else (0.25, 0.5, 0.75)  # quick: shorter arrival spans
+    return [round(f * peak, 3) for f in fractions] if peak > 0 else []
+
+
+def _poisson_level(sr: ServingRun, ri: int, rate: float) -> dict:
+    """Requests arriving as a Poisson process at `rate` per second, speculative and target-only."""
+    args = sr.args
+    arrivals = poisson_arrivals(rate, args.poisson_requests, seed=args.seed + ri)
+    jobs = level_jobs(sr.prompts, args.poisson_requests, offset=ri)
+    got = {}
+    for mode in (MODES if ri % 2 == 0 else MODES[::-1]):
+        sr.progress.set_postfix_str(f"poisson {rate}/s {mode}")
+        with Sampler(sr.pids) as s:
+            wall, recs = open_loop(arrivals, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
+                                   args.request_timeout_s)
+        got[mode] = (summarise_level(recs, wall), recs)
+        got[mode][0]["rss_mib_peak"] = dict(s.rss)
+        sr.progress.update(1)
+    row = level_row("request_rate", rate, got["speculative"][0], got["target_only"][0],
+                    same_outputs(got["speculative"][1], got["target_only"][1]))
+    row["arrival_span_s"] = arrivals[-1] if arrivals else 0.0
+    sr.progress.write(_level_line(f"Poisson {rate}/s", row), file=sys.stderr)
+    return row
 
 
 def cache_bounds(stack) -> dict:
@@ -431,17 +464,19 @@ def memory_report(memory: dict, bounds: dict, n_max: int) -> dict:
     return out
 
 
-def assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, load_begin) -> dict:
-    from bench.runner import cpu_model  # bench.runner imports nothing of this module
+def assemble(sr: ServingRun) -> dict:
+    from bench.machine import cpu_model
 
+    args, stack, levels, prompts = sr.args, sr.stack, sr.levels, sr.prompts
+    t_begin, load_begin = sr.started
     ratios = [r["ratio"] for r in levels if r["ratio"] is not None]
     serving = {
         "mode": "quick" if args.quick else "full",
         "levels": levels,
-        "poisson": poisson,
+        "poisson": sr.poisson,
         "min_ratio": min(ratios) if ratios else None,
         "targets": evaluate_targets(levels),
-        "memory": memory_report(memory, cache_bounds(stack), max(args.concurrency)),
+        "memory": memory_report(sr.memory, cache_bounds(stack), max(args.concurrency)),
         "stack": {"command": "specdec up defaults: --pipeline auto --adaptive-draft-len --batch-window-ms "
                              f"{args.batch_window_ms:g}, not pinned" +
                              (f"; extra orchestrator flags {' '.join(args.orchestrator_arg)}" if args.orchestrator_arg
@@ -460,7 +495,7 @@ def assemble(args, stack, levels, poisson, memory, prompts, startup_s, t_begin, 
                                     "and requests/s over the level's wall time (first send -> last done)"},
         "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version(), "load_average_begin": load_begin,
-                    "load_average_end": os.getloadavg(), "service_startup_s": startup_s,
+                    "load_average_end": os.getloadavg(), "service_startup_s": sr.startup_s,
                     "total_s": time.time() - t_begin},
     }
     return {"benchmark": "specdec-serving", "command": None, "serving": serving}

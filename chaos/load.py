@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.client import FINISH_REASONS, SpecdecClient, _stats_dict
+from specdec.client import FINISH_REASONS, GenerateOptions, SpecdecClient, _stats_dict
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -63,62 +63,82 @@ class Progress:
             self.tokens += n
 
 
-def run_request(client: SpecdecClient, prompt, rec: RequestRecord, max_new_tokens: int, deadline: float,
-                progress: Progress | None = None, max_attempts: int = 10_000, speculation: bool | None = None,
-                retry_sleep_s: float = 0.2, sampling: dict | None = None) -> RequestRecord:
-    """Stream one request to the end, resuming/retrying on retryable errors until `deadline` (monotonic).
-    `sampling`: temperature, top_k, top_p, seed for the request (default greedy)."""
+@dataclass(frozen=True)
+class Retry:
+    """How a request goes on after a retryable error: until `deadline` (time.monotonic()), at most `max_attempts`
+    calls, `sleep_s` between them."""
+
+    deadline: float
+    max_attempts: int = 10_000
+    sleep_s: float = 0.2
+
+
+def run_request(client: SpecdecClient, prompt, rec: RequestRecord, options: GenerateOptions, retry: Retry,
+                progress: Progress | None = None) -> RequestRecord:
+    """Stream one request to the end, resuming/retrying on retryable errors as `retry` allows. `options`: the
+    request's settings (each call's deadline is the time left until retry.deadline)."""
     rec.start = time.monotonic()
-    last = rec.start
     attempts = 0
     while True:
         attempts += 1
-        timeout = max(1.0, deadline - time.monotonic())
+        timeout = max(1.0, retry.deadline - time.monotonic())
         try:
             if rec.session_id:
                 stream = client.stream(resume_session_id=rec.session_id, resume_from=len(rec.tokens),
                                        timeout_s=timeout)
             else:
-                stream = client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                       speculation=speculation, timeout_s=timeout, **(sampling or {}))
-            for msg in stream:
-                if msg.session_id and not rec.session_id:
-                    rec.session_id = msg.session_id
-                if msg.token_ids:
-                    now = time.monotonic()
-                    if msg.offset != len(rec.tokens):
-                        rec.offset_errors += 1
-                    rec.tokens.extend(msg.token_ids)
-                    rec.token_times.append(now)
-                    rec.gaps_ms.append((now, (now - last) * 1e3))
-                    last = now
-                    if progress is not None:
-                        progress.add(len(msg.token_ids))
-                if msg.HasField("stats"):
-                    rec.stats = _stats_dict(msg.stats)
-                    rec.finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
+                stream = client.stream(prompt, options, timeout_s=timeout)
+            _record_stream(stream, rec, progress)
             if not rec.finish:
                 rec.error = "stream ended without a final stats message"
             break
         except grpc.RpcError as e:
-            code = e.code()
-            rec.errors.append(f"{code.name}: {e.details()}")
-            if code not in RETRYABLE or attempts >= max_attempts or time.monotonic() + retry_sleep_s >= deadline:
-                rec.error = f"{code.name}: {e.details()}"
+            if not _goes_on_after(e, rec, retry, attempts):
                 break
-            if rec.session_id:
-                rec.resumes += 1
-            else:
-                rec.retries += 1
-            time.sleep(retry_sleep_s)
+            time.sleep(retry.sleep_s)
     rec.end = time.monotonic()
     return rec
+
+
+def _record_stream(stream, rec: RequestRecord, progress: Progress | None) -> None:
+    """Every message's tokens, their arrival times and gaps, and the final stats, into `rec`."""
+    for msg in stream:
+        if msg.session_id and not rec.session_id:
+            rec.session_id = msg.session_id
+        if msg.token_ids:
+            now = time.monotonic()
+            last = rec.token_times[-1] if rec.token_times else rec.start
+            if msg.offset != len(rec.tokens):
+                rec.offset_errors += 1
+            rec.tokens.extend(msg.token_ids)
+            rec.token_times.append(now)
+            rec.gaps_ms.append((now, (now - last) * 1e3))
+            if progress is not None:
+                progress.add(len(msg.token_ids))
+        if msg.HasField("stats"):
+            rec.stats = _stats_dict(msg.stats)
+            rec.finish = FINISH_REASONS.get(msg.finish_reason, "unspecified")
+
+
+def _goes_on_after(e: grpc.RpcError, rec: RequestRecord, retry: Retry, attempts: int) -> bool:
+    """Record the error; True when the request resumes (it has a session) or is sent again (it has none)."""
+    code = e.code()
+    rec.errors.append(f"{code.name}: {e.details()}")
+    if code not in RETRYABLE or attempts >= retry.max_attempts or time.monotonic() + retry.sleep_s >= retry.deadline:
+        rec.error = f"{code.name}: {e.details()}"
+        return False
+    if rec.session_id:
+        rec.resumes += 1
+    else:
+        rec.retries += 1
+    return True
 
 
 def run_batch(address: str, prompts: list, max_new_tokens: int, concurrency: int, deadline: float,
               speculation: bool | None = None, phase: str = "load") -> list[RequestRecord]:
     """Run one request per prompt with `concurrency` threads; records in prompt order."""
     records = [RequestRecord(i, i, phase) for i in range(len(prompts))]
+    options = GenerateOptions(max_new_tokens=max_new_tokens, ignore_eos=True, speculation=speculation)
     next_i = iter(range(len(prompts)))
     lock = threading.Lock()
 
@@ -129,7 +149,7 @@ def run_batch(address: str, prompts: list, max_new_tokens: int, concurrency: int
                     i = next(next_i, None)
                 if i is None or time.monotonic() >= deadline:
                     return
-                run_request(client, prompts[i], records[i], max_new_tokens, deadline, speculation=speculation)
+                run_request(client, prompts[i], records[i], options, Retry(deadline))
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(concurrency, len(prompts))))]
     for t in threads:

@@ -22,12 +22,12 @@ from chaos import DRAFT_FAULTS, SCENARIOS
 from chaos.faults import FAULTS as _FAULTS
 from chaos.faults_network import NETWORK_FAULTS, store_check_after_loss
 from chaos.harness import ChaosHarness, ChaosOptions, _mismatches, _pct
-from chaos.load import Progress, RequestRecord, run_request
+from chaos.load import Progress, RequestRecord, Retry, run_request
 from chaos.target_pool import POOL_FAULTS, options_for, pool_checks
 # orchestrator.* is imported here, not at the moment of a fault: its first import pulls in torch (seconds).
 from orchestrator.replicas.draft_pool import _rank
 from orchestrator.store.session_store import KEY_PREFIX
-from specdec.client import SpecdecClient
+from specdec.client import GenerateOptions, SpecdecClient
 
 FAULTS = {**_FAULTS, **NETWORK_FAULTS}
 
@@ -102,8 +102,8 @@ class Scenario:
     def _request(self, client: SpecdecClient, rec: RequestRecord, deadline: float) -> None:
         args = {"prompt": self.h.prompts[rec.prompt_index], "max_new_tokens": self.opts.max_new_tokens,
                 **self.fault.stream_args(rec)}  # a fault may ask for its own requests (sampling_draft_faults)
-        prompt, max_new_tokens = args.pop("prompt"), args.pop("max_new_tokens")
-        run_request(client, prompt, rec, max_new_tokens, deadline, self.progress, sampling=args or None)
+        prompt = args.pop("prompt")  # the rest: max_new_tokens and the sampling parameters
+        run_request(client, prompt, rec, GenerateOptions(ignore_eos=True, **args), Retry(deadline), self.progress)
 
     def run(self) -> dict:
         o = self.opts

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -70,6 +70,50 @@ class GenerationInterrupted(grpc.RpcError):
         return (details() if callable(details) else None) or str(self.error)
 
 
+_SPECULATION = {None: opb.SPECULATION_DEFAULT, True: opb.SPECULATION_ON, False: opb.SPECULATION_OFF}
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """One generation's settings, each with the server's default (docs/api.md). `speculation`: None leaves it to
+    the server, True or False asks for speculative or target-only decoding; `chat` applies the model's chat
+    template; `resume_session_id` and `resume_from` go on with an interrupted session; `timeout_s` is the call's
+    deadline (None: the client's)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    speculation: bool | None = None
+    max_draft_len: int = 0
+    ignore_eos: bool = False
+    chat: bool = False
+    resume_session_id: str = ""
+    resume_from: int = 0
+    timeout_s: float | None = None
+
+    @classmethod
+    def of(cls, options: GenerateOptions | None = None, **fields) -> GenerateOptions:
+        """`options` (or the defaults) with `fields` replaced; an unknown field name is a TypeError."""
+        return replace(options or cls(), **fields)
+
+    def request(self, prompt: str | list[int] | None) -> opb.GenerateRequest:
+        req = opb.GenerateRequest(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seed=self.seed, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+            max_draft_len=self.max_draft_len, ignore_eos=self.ignore_eos, apply_chat_template=self.chat,
+            resume_session_id=self.resume_session_id, resume_from=self.resume_from,
+            speculation=_SPECULATION[self.speculation])
+        if isinstance(prompt, str):
+            req.text = prompt
+        elif prompt is not None:
+            req.token_ids.ids.extend(prompt)
+        return req
+
+
 class SpecdecClient:
     def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0, token: str | None = None,
                  tls=None):
@@ -79,33 +123,25 @@ class SpecdecClient:
         self.channel = make_channel(address, tls=tls)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 
-    def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: list[str] = (),
-               stop_token_ids: list[int] = (), speculation: bool | None = None, max_draft_len: int = 0,
-               ignore_eos: bool = False, chat: bool = False, resume_session_id: str = "", resume_from: int = 0,
-               timeout_s: float | None = None) -> Iterator[opb.GenerateResponse]:
-        req = opb.GenerateRequest(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop=list(stop), stop_token_ids=list(stop_token_ids), max_draft_len=max_draft_len,
-            ignore_eos=ignore_eos, apply_chat_template=chat, resume_session_id=resume_session_id,
-            resume_from=resume_from,
-            speculation={None: opb.SPECULATION_DEFAULT, True: opb.SPECULATION_ON, False: opb.SPECULATION_OFF}[speculation],
-        )
-        if isinstance(prompt, str):
-            req.text = prompt
-        elif prompt is not None:
-            req.token_ids.ids.extend(prompt)
-        return self.stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+    def stream(self, prompt: str | list[int] | None = None, options: GenerateOptions | None = None,
+               **fields) -> Iterator[opb.GenerateResponse]:
+        """Start one Generate call and return its raw response iterator. The request's settings come as a
+        `GenerateOptions`, as keywords (its field names), or both (the keywords win)."""
+        options = GenerateOptions.of(options, **fields)
+        return self.stub.Generate(options.request(prompt), timeout=options.timeout_s or self.timeout_s,
+                                  metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int] | None = None, on_message=None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | list[int] | None = None, on_message=None, *,
+                 options: GenerateOptions | None = None, **fields) -> GenerationResult:
         """Run one generation to its end; `on_message(msg)` sees each streamed message as it arrives. A stream that
         fails after the session started raises GenerationInterrupted, which says where to resume it; one that
         fails before raises the call's own grpc.RpcError. Any exception here (Ctrl-C too) cancels the call."""
         t0 = time.perf_counter()
         text, tokens, sid, finish, stats = [], [], "", "unspecified", {}
         ttft, first = None, 0
-        next_token = kwargs.get("resume_from", 0) if kwargs.get("resume_session_id") else 0
-        stream = self.stream(prompt, **kwargs)
+        options = GenerateOptions.of(options, **fields)
+        next_token = options.resume_from if options.resume_session_id else 0
+        stream = self.stream(prompt, options)
         done = False
         try:
             for msg in stream:

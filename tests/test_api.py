@@ -59,6 +59,26 @@ def test_stream_offsets_and_text_deltas_add_up(stack):
     assert len(tokens) == 25
 
 
+def test_client_options_object_and_keywords_send_the_same_request(stack):
+    """GenerateOptions and keywords are one API: keywords override the object's fields; a typo is a TypeError."""
+    from specdec.client import GenerateOptions
+
+    opts = GenerateOptions(max_new_tokens=9, ignore_eos=True, temperature=0.8, top_k=5, seed=3, stop=["x"],
+                           speculation=False, chat=True, max_draft_len=2)
+    req = opts.request("hi")
+    assert (req.text, req.max_new_tokens, req.top_k, req.seed, list(req.stop), req.apply_chat_template,
+            req.max_draft_len) == ("hi", 9, 5, 3, ["x"], True, 2)
+    assert GenerateOptions.of(opts, seed=4).request([1, 2]).token_ids.ids == [1, 2]
+    with pytest.raises(TypeError):
+        GenerateOptions.of(max_new_token=3)
+    by_object = stack.client.generate(PROMPT, options=GenerateOptions(max_new_tokens=12, ignore_eos=True,
+                                                                      temperature=0.9, seed=7))
+    by_keywords = stack.client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=7)
+    overridden = stack.client.generate(PROMPT, options=GenerateOptions(max_new_tokens=3, seed=7), max_new_tokens=12,
+                                       ignore_eos=True, temperature=0.9)
+    assert by_object.token_ids == by_keywords.token_ids == overridden.token_ids and len(by_object.token_ids) == 12
+
+
 def test_client_reports_time_to_first_tokens(stack):
     r = stack.client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, max_draft_len=4)
     assert 0 < r.ttft_s < r.wall_s and 1 <= r.first_tokens <= 5  # the first step: at most 4 drafts + 1

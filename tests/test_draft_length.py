@@ -144,8 +144,8 @@ def test_goodput_stops_speculating_when_the_step_overhead_outweighs_it():
     sessions[0] = 8
     assert policy(50.0).k == 0
     per_call = policy(50.0)
-    per_call.decode_chunk = 1  # were target-only charged the whole overhead per token, speculation would win
-    assert per_call.best() >= 1
+    per_call.streamed, per_call.decode_chunk = False, 1  # target-only charged the whole overhead per token
+    assert per_call.best() >= 1  # would make speculation win
 
 
 def test_goodput_needs_a_profile_else_heuristic():
@@ -399,3 +399,41 @@ def test_the_longest_block_that_pays_follows_the_curve_and_the_acceptance():
 
     assert 4 <= policy(30, 32).verify_len([2.0**18] * 63, limit=63) <= 16
     assert policy(63, 63).verify_len([2.0**18] * 63, limit=63) == 63
+
+
+def test_target_only_is_priced_on_the_decode_stream_without_a_calls_overhead():
+    """Target-only tokens come from the session's decode stream (no call per block): each costs the target's own
+    step; a Decode call per 4 tokens would add a quarter of the per-call overhead to each."""
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(40):
+        cost.observe_step(12.0 + 20.0, server_ms=20.0)  # 12 ms of each step outside the target
+    d = GoodputDraftLength(63, cost, decode_chunk=4)
+    assert d.tokens_per_ms(0) == pytest.approx(1 / 10.0)
+    d.streamed = False
+    assert d.tokens_per_ms(0) == pytest.approx(1 / (10.0 + 12.0 / 4))
+
+
+def test_closing_an_open_stream_for_a_verify_is_priced():
+    """With the decode stream open a Verify also costs the stream's token in flight and the call that reopens it:
+    a short block that pays over a Verify chain does not pay for that, a long sure one still does."""
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(200):
+        for accepted in (3, 3, 3, 2):  # medium matches: 11 of 12 tokens accepted
+            ev.update([2.0**9] * 3, verified=3, accepted=accepted)
+        ev.update([2.0**18] * 32, verified=32, accepted=32)  # a quotation
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(40):
+        cost.observe_step(2.0 + 20.0, server_ms=20.0)  # 2 ms of RPC and Python a step
+    d = GoodputDraftLength(63, cost, evidence=ev)
+    d.use_free_drafter(True)
+    assert d.verify_len([2.0**9] * 3, limit=63) >= 1  # after a Verify (no stream open): the block pays
+    d.stream_open = True
+    assert d.switch_ms() == pytest.approx(10.0 + 2.0)
+    assert d.verify_len([2.0**9] * 3, limit=63) == 0  # streaming: not worth closing the stream for
+    assert d.verify_len([2.0**18] * 32, limit=63) == 32  # a long sure quotation is
+    for _ in range(40):  # verifies that closed a stream waited 4 ms for its step in flight beyond their forward
+        cost.observe_switch(3, server_ms=cost.forward(3) + 4.0)
+    assert d.switch_ms() == pytest.approx(4.0 + 2.0)
+    assert cost.load.value is None  # kept apart from what a verify's forward costs

@@ -14,22 +14,28 @@ import pytest
 
 from target_service.engines.llama_cache import plan_cache
 from tests.test_llamacpp_engine import GREEDY, MISSING, prompt_ids
+from target_service.engines.jobs import VerifyTask
 
 pytestmark = pytest.mark.smollm2
 
-CELL = 23040  # SmolLM2-135M's f16 KV for one token: 2 x 2 bytes x 30 layers x 3 KV heads x 64
+CELL = 23040  # SmolLM2-135M's KV for one token in float16: 2 x 2 bytes x 30 layers x 3 KV heads x 64
+# the engine's: float16 keys and q8_0 values (34 bytes per 32), (2 + 34 / 32) bytes x 30 layers x 3 KV heads x 64
+ENGINE_CELL = 17640
 
 
 def target_engine(*argv: str):
     """The engine `specdec serve target --engine llamacpp ARGV` builds."""
     if MISSING:
         pytest.fail(MISSING)
+    from specdec.core.settings import from_args
     from target_service.engines.select import build_engine
     from target_service.server import add_arguments
+    from target_service.settings import TargetSettings
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", *argv]))
+    return build_engine(from_args(TargetSettings, parser.parse_args(["--model", "smollm2", "--engine", "llamacpp",
+                                                                     *argv])))
 
 
 def warnings_of(caplog) -> list[str]:
@@ -43,7 +49,7 @@ def test_the_default_cache_keeps_every_session_asked_for(caplog):
     caplog.set_level(logging.INFO, "specdec.target.llamacpp")
     engine = target_engine("--max-sessions", "12")
     try:
-        assert engine.kv_bytes_per_token == CELL
+        assert engine.kv_bytes_per_token == ENGINE_CELL
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (12, 2048, 13 * 2048)
         assert warnings_of(caplog) == []
         for i in range(12):
@@ -57,22 +63,22 @@ def test_the_default_cache_keeps_every_session_asked_for(caplog):
 
 def test_a_tight_budget_shortens_contexts_before_it_drops_sessions_and_warns(caplog):
     caplog.set_level(logging.WARNING, "specdec.target.llamacpp")
-    # 400 MiB = 18176 cells (whole 256-cell units): 13 streams of 2048 do not fit, 13 of 1280 do: every session kept, each shorter
-    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "400")
+    # 307 MiB = 18176 cells (whole 256-cell units): 13 streams of 2048 do not fit, 13 of 1280 do: every session kept, each shorter
+    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "307")
     try:
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (12, 1280, 13 * 1280)
         [warning] = warnings_of(caplog)
         assert "12 sessions of 2048 tokens asked" in warning and "hold 12 sessions of 1280 tokens" in warning
-        assert "--max-cache-mb 400 holds 18176 cells of 22.5 KiB" in warning
+        assert "--max-cache-mb 307 holds 18176 cells of 17.2 KiB" in warning
     finally:
         engine.close()
     caplog.clear()
-    # 200 MiB = 8960 cells: not even 13 streams of 1024 (the floor): 8 streams of 1024, 7 sessions
-    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "200")
+    # 151 MiB = 8960 cells: not even 13 streams of 1024 (the floor): 8 streams of 1024, 7 sessions
+    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "151")
     try:
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (7, 1024, 8 * 1024)
         [warning] = warnings_of(caplog)
-        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 200" in warning
+        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 151" in warning
     finally:
         engine.close()
 
@@ -142,7 +148,8 @@ def test_a_tree_budget_on_a_llamacpp_stack_starts_a_target_that_verifies_trees(t
         assert engine.kv_unified and engine.max_sessions == 3
         ids = prompt_ids(engine, "Count from one to ten.")
         engine.prefill("tree", 0, ids)
-        outcome = engine.verify("tree", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+        tree = VerifyTask("tree", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+        outcome = engine.verify(tree)
         assert outcome.num_accepted >= 0 and outcome.cached_len >= len(ids)
     finally:
         engine.close()

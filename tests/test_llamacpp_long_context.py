@@ -19,6 +19,8 @@ import pytest
 from specdec.core.sampling import SamplingParams
 from specdec.eval_prompts import PROMPTS, encode
 from specdec.models import smollm2_gguf_path
+from target_service.engines.jobs import DecodeTask, VerifyTask
+from target_service.settings import TargetSettings
 from tests.test_llamacpp_engine import MISSING
 
 pytestmark = pytest.mark.smollm2
@@ -33,9 +35,12 @@ def engine():
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    e = LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=THREADS, max_sessions=5)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(LlamaCppEngine, "DEFAULT_WAIT_S", 600.0)  # 1416-token prefills on a loaded CI machine
+    e = LlamaCppEngine(smollm2_gguf_path(), TargetSettings(model="smollm2", threads=THREADS, max_sessions=6))
     yield e
     e.close()
+    patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,7 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
     """The defect the benchmark showed: 32 target-only tokens of the rag prompt, and the same positions decided by
     verify calls with 4-token drafts, every other block with a wrong third token (a rejection, its KV cropped)."""
     n = 32
-    reference = engine.decode("ref", 0, rag_ids, n, GREEDY, 0, 0)[0]
+    reference = engine.decode(DecodeTask("ref", 0, rag_ids, n, GREEDY))[0]
     engine.release("ref")
     out: list[int] = []
     cached = 0
@@ -97,7 +102,7 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
         draft = list(reference[len(out):len(out) + 4])
         if block % 2 and len(draft) > 2:
             draft[2] = (draft[2] + 1) % engine.vocab_size
-        outcome = engine.verify("spec", cached, context[cached:], draft, None, GREEDY, 0, block)
+        outcome = engine.verify(VerifyTask("spec", cached, context[cached:], draft, None, GREEDY, 0, block))
         new = draft[:outcome.num_accepted] + [outcome.next_token]
         out += new
         context += new

@@ -19,17 +19,21 @@ NEW_TOKENS = 24
 
 
 def run_session(speculation: bool, profile: list[float], active: int = 1, drafts=lambda call: [],
-                shed_above: int = 0) -> dict:
-    """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry). Returns
-    the sizes of the Decode calls, the Verify calls' block sizes, the Propose calls and the session's stats."""
+                shed_above: int = 0, strategy: str | None = None, score=0.0, evidence=None,
+                accept=lambda block: 0) -> dict:
+    """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry), each scored
+    `score` (or score(draft)) when given (a scoring drafter, `strategy` its ModelInfo.strategy, `evidence` what scores have meant);
+    `accept(block)`: how many of a verified block the target accepts. Returns the sizes of the Decode calls (unary
+    ones also in "unary"), the Verify calls' block sizes, the Propose calls and the session's stats."""
     rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation, "draft_len_limit": 16})
     cfg = LoopConfig(speculation_max_sessions=shed_above)
-    measured = Measurements(active_sessions=lambda: active, target_cost=TargetCost(profile))
-    backends = Backends(None, types.SimpleNamespace(), None, set(), 100)
+    measured = Measurements(active_sessions=lambda: active, target_cost=TargetCost(profile), draft_evidence=evidence)
+    replica = types.SimpleNamespace(address="local:ngram",
+                                    info=types.SimpleNamespace(strategy=strategy) if strategy else None)
+    backends = Backends(None, types.SimpleNamespace(replicas=[replica]), None, set(), 100)
     step = Step(LoopState(rec, cfg, backends, measured, StreamControl()))
-    calls = {"decode": [], "verify": [], "propose": 0, "streams": []}
+    calls = {"decode": [], "unary": [], "verify": [], "propose": 0, "streams": []}
     stream = {"left": 0}  # tokens the open decode stream has still to give
-    replica = types.SimpleNamespace(address="local:ngram", info=None)
     step.draft.pick_replica = lambda: replica
 
     def propose(replica, k, kv=None):
@@ -37,17 +41,21 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
         calls["propose"] += 1
         if not tokens:
             return None, False
-        return DraftReply(tokens, [], len(rec.committed) + len(tokens), 0.1, False), False
+        return DraftReply(tokens, [], len(rec.committed) + len(tokens), 0.1, False,
+                          scores=[score(tokens) if callable(score) else score] * len(tokens) if score else []), False
 
     def decode(n, degraded):
         stream["left"] = 0  # any other call closes the open stream
+        step.target.stream = None
         calls["decode"].append(n)
+        calls["unary"].append(n)
         return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
 
     def stream_block(total, degraded):
         if stream["left"] <= 0:
             calls["streams"].append(total)
             stream["left"] = total
+            step.target.stream = object()  # open (what the step asks of TargetCall)
         n = min(cfg.fallback_chunk, stream["left"])
         stream["left"] -= n
         calls["decode"].append(n)
@@ -55,8 +63,10 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
 
     def verify(reply):
         stream["left"] = 0
+        step.target.stream = None
         calls["verify"].append(len(reply.tokens))
-        return VerifyReply(0, 7, len(rec.committed), 20.0, False)  # every draft rejected
+        n = accept(reply.tokens)
+        return VerifyReply(n, 7, len(rec.committed) + n, 20.0, False)
 
     step.draft.propose, step.target.decode, step.target.verify = propose, decode, verify
     step.target.stream_block = stream_block
@@ -102,3 +112,43 @@ def test_a_probe_that_drafts_is_verified_and_a_speculating_session_keeps_its_dry
     # A session that speculates (drafting pays) and finds no draft decodes 1, 2, then 4 tokens per call.
     dry = run_session(True, FLAT)
     assert dry["decode"][:3] == [1, 2, 4] and dry["propose"] == len(dry["decode"]) - 1  # not the last token
+
+
+def _evidence(weak: float, strong: float):
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(100):
+        ev.update([weak] * 3, verified=3, accepted=0)  # short weak matches: rejected
+        ev.update([strong] * 16, verified=16, accepted=16)  # long confident matches: a quotation, accepted
+    return ev
+
+
+def llamacpp_profile() -> list[float]:
+    from tests.test_draft_length import llamacpp_curve
+
+    return llamacpp_curve()
+
+
+def test_a_free_drafters_weak_drafts_decode_on_the_stream_as_a_target_only_session_does():
+    """The suffix drafter drafts at every block (microseconds); a draft that does not pay is not verified, and the
+    session's tokens come from one decode stream exactly as a target-only session's do: no Decode call, no Verify."""
+    target_only = run_session(False, llamacpp_profile())
+    weak = run_session(True, llamacpp_profile(), strategy="suffix", score=2.0**2, drafts=lambda i: [5, 6, 7],
+                       evidence=_evidence(2.0**2, 2.0**18))
+    assert weak["verify"] == [] and weak["unary"] == []
+    assert weak["decode"] == target_only["decode"] == [4] * 6
+    assert weak["streams"] == target_only["streams"] == [NEW_TOKENS]
+    assert weak["propose"] == 6  # one lookup per block of the stream
+    dry = run_session(True, llamacpp_profile(), strategy="suffix", evidence=_evidence(2.0**2, 2.0**18))
+    assert dry["unary"] == [] and dry["streams"] == [NEW_TOKENS]  # no match at all: the stream as well
+
+
+def test_a_streaming_session_switches_to_a_verify_when_its_drafter_finds_a_strong_match():
+    """Blocks of the stream until a long confident match turns up; its Verify closes the stream, and the
+    session takes the rest from a new stream once the drafts are weak again."""
+    out = run_session(True, llamacpp_profile(), strategy="suffix", evidence=_evidence(2.0**2, 2.0**18),
+                      drafts=lambda i: [5] * 8 if i == 2 else [5, 6, 7],  # the third lookup finds a quotation
+                      score=lambda draft: 2.0**18 if len(draft) == 8 else 2.0**2, accept=len)
+    assert out["verify"] == [8] and out["unary"] == []
+    assert out["streams"] == [NEW_TOKENS, NEW_TOKENS - 2 * 4 - 9]  # two blocks, 8 accepted + the bonus, the rest

@@ -50,6 +50,8 @@ class Step:
         if not self.draft.wanted():  # target-only: one decode stream for the rest of the generation
             return self.stream(remaining, degraded=False), False
         k = min(self.draft_len.k, remaining - 1)
+        if k <= 0 and self.streams_weak_drafts():  # the last token: from the open stream, as any other
+            return self.stream(remaining, degraded=False), False
         if k <= 0:
             if self.draft_len.k == 0:  # no draft length pays: target-only until the policy probes again
                 stats.speculation_paused_steps += 1
@@ -69,6 +71,8 @@ class Step:
             if new is not None:
                 self.dry_steps = 0
                 return new, False
+            if not failed and self.streams_weak_drafts():  # the stream's next block, then draft again
+                return self.stream(remaining, degraded=False), False
             if not failed:  # nothing drafted: target tokens, then draft again
                 n = dry_step_tokens(self.draft_len, self.dry_steps, fallback)
                 self.dry_steps += 1
@@ -81,6 +85,7 @@ class Step:
         target prefilling alongside for a new session), verify them: (new tokens, False); (None, failed) when
         nothing was drafted or the draft failed."""
         self.draft_len.pipelined = self.prefetch.pipelines(replica)
+        self.draft_len.stream_open = self.target.stream is not None  # verifying would close it: priced
         ask = min(self.draft_len.request_len(k), remaining - 1)  # a scored draft is trimmed
         reply = self.prefetch.take(replica, ask)
         if reply is None:
@@ -107,6 +112,12 @@ class Step:
         rec.draft_pos = min(ctx + v.num_accepted, reply.cached_len)
         record_verify(self.state, self.draft_len, len(reply.tokens), v.num_accepted, v.verify_ms, reply.scores)
         return reply.tokens[: v.num_accepted] + [v.next_token]
+
+    def streams_weak_drafts(self) -> bool:
+        """A free drafter's session takes the tokens of its unpaid or empty drafts from its decode stream, as a
+        target-only session does, and drafts again at every block of it (microseconds): it closes the stream for a
+        Verify only when a draft pays for that too (GoodputDraftLength.switch_ms)."""
+        return self.draft_len.free
 
     def stream(self, total: int, degraded: bool) -> list[int]:
         """The next block of target-only tokens from the session's decode stream (one of `total` tokens is opened

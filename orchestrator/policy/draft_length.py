@@ -35,6 +35,9 @@ class DraftLength:
     """Fixed, or the heuristic transformers uses for assisted generation: +2 after a fully accepted block,
     -1 after a rejection."""
 
+    free = False  # heuristic and fixed lengths treat every drafter alike (use_free_drafter)
+    stream_open = False  # set by the step; nothing here prices it
+
     def __init__(self, start: int, max_len: int, adaptive: bool):
         self.k = max(1, min(start, max_len))
         self.max_len = max_len
@@ -113,6 +116,7 @@ class TargetCost:
         self.decode_load = Ema()  # Decode calls' steps: observed / profiled
         self.overhead_ms = Ema()
         self.block = Ema()  # tokens per session in the target's calls
+        self.switch_wait_ms = Ema()  # a Verify that closed the session's decode stream: its wait for the stream
 
     def rows(self) -> int:
         return max(1, min(self.max_batch, int(self.sessions())))
@@ -136,6 +140,16 @@ class TargetCost:
             ratio = server_ms / (calls * self.batched_forward(tokens, self.rows()))
             (self.decode_load if decode else self.load).observe(ratio)
 
+    def observe_switch(self, tokens: int, server_ms: float) -> None:
+        """A Verify over `tokens` tokens sent right after closing the session's decode stream, taking server_ms: the
+        target first finishes the stream's step in flight (the session's earlier work), so it waits beyond its
+        forward. Kept apart from the Verify load (it would make every verify look dearer) as the switch's cost."""
+        if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
+            return
+        with self._lock:
+            forward = self.batched_forward(tokens, self.rows()) * self.load.get(self.decode_load.get(1.0))
+            self.switch_wait_ms.observe(max(0.0, server_ms - forward))
+
     def batched_forward(self, tokens: int, rows: int) -> float:
         """Profiled ms of a forward that carries a block of `tokens` and the other rows' usual blocks."""
         return self.forward(tokens + round((rows - 1) * self.block.get(tokens)))
@@ -146,6 +160,11 @@ class TargetCost:
         if step_ms > 0:
             with self._lock:
                 self.overhead_ms.observe(max(0.0, step_ms - server_ms))
+
+    def stream_token_ms(self, rows: int = 1) -> float:
+        """ms per target-only token on the session's decode stream: the target's own step (as Decode steps measured
+        it), no per-call overhead (the stream's blocks need no call, and their commits run off the stepper)."""
+        return self.step_ms(1, rows, calls_per_token=0.0, decode=True)
 
     def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0, decode: bool = False) -> float:
         """ms per call of a step over `tokens` tokens with `rows` sessions batched (`decode`: a target-only Decode
@@ -351,6 +370,8 @@ class GoodputDraftLength:
         self.probing = False  # k was set by a paused session's probe, not by a verify
         self.pipelined = False  # set by the generation: whether it prefetches the next block
         self.free = False  # set by the generation: the drafter is a FREE_DRAFTERS one (draft every step)
+        self.streamed = True  # target-only tokens come from the session's decode stream (no call per block)
+        self.stream_open = False  # set by the step: the session's decode stream is open (verifying closes it)
         self.k = self.best()
 
     @property
@@ -358,12 +379,28 @@ class GoodputDraftLength:
         w, own = self.PRIOR_WEIGHT, self.own
         return (own.successes + w * self.prior.alpha) / (own.successes + own.failures + w)
 
+    def target_only_ms(self, rows: int = 1) -> float:
+        """ms per target-only token: on the decode stream (a paused session; a free drafter's blocks that do not
+        pay), else one Decode call per decode_chunk tokens."""
+        if self.streamed:
+            return self.cost.stream_token_ms(rows)
+        return self.cost.step_ms(1, rows, 1.0 / self.decode_chunk, decode=True)
+
+    def switch_ms(self, rows: int = 1) -> float:
+        """What a Verify costs beyond its own call while the session's decode stream is open: its wait for the
+        stream's step in flight (measured by Verify calls that closed a stream; one stream token until then) and
+        the call that opens a stream again after it."""
+        if not (self.streamed and self.stream_open):
+            return 0.0
+        wait = self.cost.switch_wait_ms.get(self.cost.stream_token_ms(rows))
+        return wait + self.cost.overhead_ms.get(0.0)
+
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
-        if k == 0:  # target-only: one Decode call per decode_chunk tokens
-            return 1.0 / self.cost.step_ms(1, rows, 1.0 / self.decode_chunk, decode=True)
+        if k == 0:
+            return 1.0 / self.target_only_ms(rows)
         draft = self.draft_cost
         a = min(self.alpha if alpha is None else alpha, 0.999)
-        verify = self.cost.step_ms(k + 1, rows)
+        verify = self.cost.step_ms(k + 1, rows) + self.switch_ms(rows)
         drafting = k * draft.per_token(self._sessions())
         t = verify + draft.call_ms.get(0.0) + drafting
         if self.pipelined:
@@ -442,11 +479,11 @@ class GoodputDraftLength:
             return min(len(scores), limit)
         rows = self.cost.rows()
         best_d, best = 0, 0.0
-        reach, expected = 1.0, 1.0
+        reach, expected, switch = 1.0, 1.0, self.switch_ms(rows)
         for d in range(1, min(len(scores), limit, self.cost.max_tokens - 1) + 1):
             reach *= self.evidence.acceptance(scores[d - 1])
             expected += reach
-            rate = expected / self.cost.step_ms(d + 1, rows)
+            rate = expected / (self.cost.step_ms(d + 1, rows) + switch)
             if rate > best:
                 best_d, best = d, rate
         if (self.free and best_d and best <= self.tokens_per_ms(0, rows)
