@@ -210,28 +210,39 @@ def _draft_note(args, strategy: str) -> str | None:
             f"{_datastore_note(args)}, and HF prompt lookup is the in-process anchor")
 
 
+def _specdec_config(cfg: Config, services) -> Config:
+    """Fill in what a specdec configuration takes from its orchestrator: the client call, whether it runs, its
+    flags, and the drafter where it drafts in the orchestrator."""
+    addr, specs = services.addresses, services.orchestrators
+    orch = cfg.orchestrator
+    speculation = cfg.kind != "specdec-target-only"
+    extra = specs.get(orch, ("", []))[1]
+    ok = cfg.available and orch in addr
+    local = next((f for f in extra if f.startswith("local:")), None)
+    if speculation and local and local not in cfg.label:
+        drafter = "n-gram" if local == "local:ngram" else "suffix-tree"
+        cfg.label += f", {drafter} drafter in the orchestrator (--draft {local})"
+    cfg.run = _specdec_run(addr[orch], speculation, cfg.draft_len or 0) if ok else None
+    cfg.available = ok
+    cfg.reason = "" if ok else (cfg.reason or f"orchestrator {orch} is not running")
+    cfg.orchestrator_extra = list(extra)
+    cfg.orchestrator_flags = services.orchestrator_flags(extra)
+    return cfg
+
+
 def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     from bench.hf import hf_settings
 
-    addr = services.addresses
     specs = services.orchestrators
     no_pipe = "the orchestrator has no --pipeline flag in this checkout"
     no_adapt = "the orchestrator has no --adaptive-draft-len flag in this checkout"
 
-    def sd(name, kind, label, orch, speculation, g, pipelined=False, available=True, reason=""):
-        ok = available and orch in addr
-        local = next((f for f in specs.get(orch, ("", []))[1] if f.startswith("local:")), None)
-        if speculation and local and local not in label:
-            drafter = "n-gram" if local == "local:ngram" else "suffix-tree"
-            label += f", {drafter} drafter in the orchestrator (--draft {local})"
-        return Config(name, kind, label, _specdec_run(addr[orch], speculation, g or 0) if ok else None,
-                      draft_len=g, pipelined=pipelined, available=ok,
-                      reason="" if ok else (reason or f"orchestrator {orch} is not running"),
-                      orchestrator=orch, orchestrator_extra=list(specs.get(orch, ("", []))[1]),
-                      orchestrator_flags=services.orchestrator_flags(specs.get(orch, ("", []))[1]))
+    def sd(name: str, kind: str, label: str, orch: str, g: int | None = None, **more) -> Config:
+        """A specdec configuration on orchestrator `orch` (`more`: pipelined, available, reason)."""
+        return _specdec_config(Config(name, kind, label, None, draft_len=g, orchestrator=orch, **more), services)
 
     cfgs = [sd("specdec-target-only", "specdec-target-only", "specdec target-only (speculation off)",
-               "orch-sequential", False, None),
+               "orch-sequential"),
             Config("hf-target-only", "hf-target-only", "HF generate, target only (in-process)",
                    _hf_run(target) if args.hf_target_only else None, available=args.hf_target_only,
                    reason="" if args.hf_target_only else "skipped (--no-hf-target-only; quick mode's default)")]
@@ -249,30 +260,30 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
                        settings=hf_settings("hf-prompt-lookup", prompt_lookup_num_tokens=args.prompt_lookup_num_tokens)))
     for g in args.draft_lens:
         cfgs.append(sd(f"specdec-seq-g{g}", "specdec-sequential", f"specdec sequential, g={g}", "orch-sequential",
-                       True, g))
+                       g))
     adaptive = flags["orchestrator --adaptive-draft-len"]
     cfgs.append(sd("specdec-seq-adaptive", "specdec-sequential", "specdec sequential, adaptive g", "orch-sequential",
-                   True, None, available=adaptive, reason=no_adapt))
+                   available=adaptive, reason=no_adapt))
     if "orch-heuristic" in specs:
         cfgs.append(sd("specdec-seq-heuristic", "specdec-sequential",
                        "specdec sequential, adaptive g by transformers' heuristic (+2 / -1)", "orch-heuristic",
-                       True, None, available=adaptive, reason=no_adapt))
+                       available=adaptive, reason=no_adapt))
     has_pipe = flags["orchestrator --pipeline"]
     cfgs.append(sd("specdec-pipe-adaptive", "specdec-pipelined", "specdec pipelined (on), adaptive g", "orch-pipe-on",
-                   True, None, pipelined=True, available=has_pipe and adaptive and args.pipe_on,
+                   pipelined=True, available=has_pipe and adaptive and args.pipe_on,
                    reason=no_pipe if not has_pipe else no_adapt if not adaptive else
                    "skipped (--no-pipe-on; quick mode's default)"))
     if "orch-pipe-auto" in specs:
         cfgs.append(sd("specdec-pipe-auto-adaptive", "specdec-pipelined", "specdec pipelined (auto), adaptive g",
-                       "orch-pipe-auto", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+                       "orch-pipe-auto", pipelined=True, available=adaptive, reason=no_adapt))
     if "orch-local" in specs:
         cfgs.append(sd("specdec-seq-local-adaptive", "specdec-sequential",
                        "specdec sequential, adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
-                       "orch-local", True, None, available=adaptive, reason=no_adapt))
+                       "orch-local", available=adaptive, reason=no_adapt))
     if "orch-pipe-auto-local" in specs:
         cfgs.append(sd("specdec-pipe-auto-local-adaptive", "specdec-pipelined",
                        "specdec pipelined (auto), adaptive g, n-gram drafter in the orchestrator (--draft local:ngram)",
-                       "orch-pipe-auto-local", True, None, pipelined=True, available=adaptive, reason=no_adapt))
+                       "orch-pipe-auto-local", pipelined=True, available=adaptive, reason=no_adapt))
     if args.tree and not services.has_draft_process:
         g = max(args.draft_lens)
         cfgs.append(Config(f"specdec-tree-n{g}", "specdec-tree", f"specdec tree, node budget {g} (vs chain g={g})",
@@ -282,10 +293,10 @@ def build_configs(args, services, target, draft, flags: dict) -> list[Config]:
     for orch in (o for o in specs if o.startswith("orch-tree-n")):
         g = int(orch.removeprefix("orch-tree-n"))
         cfgs.append(sd(f"specdec-tree-n{g}", "specdec-tree",
-                       f"specdec tree, node budget {g} (vs chain g={g})", orch, True, g, available=trees,
+                       f"specdec tree, node budget {g} (vs chain g={g})", orch, g, available=trees,
                        reason=no_trees))
     if args.pipelined_sweep:
         for g in args.draft_lens:
             cfgs.append(sd(f"specdec-pipe-g{g}", "specdec-pipelined", f"specdec pipelined (on), g={g}", "orch-pipe-on",
-                           True, g, pipelined=True, available=has_pipe, reason=no_pipe))
+                           g, pipelined=True, available=has_pipe, reason=no_pipe))
     return cfgs

@@ -15,6 +15,9 @@ import os
 import statistics
 import time
 
+from target_service.engines.jobs import DecodeTask
+from target_service.settings import TargetSettings
+
 
 class _TimedLlama:
     """The llama_cpp module with llama_decode timed (seconds summed in .inside)."""
@@ -42,7 +45,8 @@ def measure(threads: int, tokens: int, rounds: int, chunk: int) -> dict:
 
     gguf = str(smollm2_gguf_path())
     prompts = [encode(p, load_tokenizer(gguf)) for p in select(4)]
-    engine = LlamaCppEngine(gguf, "smollm2", threads=threads, max_sessions=2, session_tokens=1024)
+    engine = LlamaCppEngine(gguf, TargetSettings(model="smollm2", threads=threads, max_sessions=2,
+                                                 llama_session_context=1024))
     direct = DirectLlamaCpp(gguf, threads)
     engine._ll = _TimedLlama(engine._ll)
     direct.ll = _TimedLlama(direct.ll)
@@ -53,7 +57,7 @@ def measure(threads: int, tokens: int, rounds: int, chunk: int) -> dict:
         t0 = time.perf_counter()
         while len(out) < tokens:
             n = min(chunk, tokens - len(out))
-            new, cached, _ = engine.decode("bench", cached, delta, n, SamplingParams(), 0, 0)
+            new, cached, _ = engine.decode(DecodeTask("bench", cached, delta, n, SamplingParams(), 0, 0))
             out, delta = out + new, new[-1:]
         wall = time.perf_counter() - t0
         engine.release("bench")

@@ -20,6 +20,7 @@ from specdec.eval_prompts import PROMPTS, encode
 from specdec.models import smollm2_gguf_path
 from target_service.engines import llamacpp
 from target_service.engines.llamacpp import LlamaCppEngine
+from target_service.settings import TargetSettings
 
 
 def feed(engine, tokens: list[int], size: int, all_rows: bool = True) -> list[np.ndarray]:
@@ -48,8 +49,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="2,16,48,63,64,512")
     args = ap.parse_args(argv)
-    engine = LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=args.threads, max_sessions=1,
-                            session_tokens=1024)
+    engine = LlamaCppEngine(smollm2_gguf_path(), TargetSettings(model="smollm2", threads=args.threads,
+                                                                max_sessions=1, llama_session_context=1024))
     try:
         summaries = [encode(p, engine.loaded.tokenizer) for p in PROMPTS if p.kind == "summary"]
         one_by_one = np.concatenate(feed(engine, summaries[0], 1))

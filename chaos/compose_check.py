@@ -165,6 +165,17 @@ class Stream(threading.Thread):
         return self.error.code().name if self.error else "OK"
 
 
+def _refusal(client: SpecdecClient) -> str:
+    """The status a short generation gets from `client` ("no error" if it is served); closes the client."""
+    try:
+        client.generate(PROMPTS[0], max_new_tokens=2)
+        return "no error"
+    except grpc.RpcError as e:
+        return e.code().name
+    finally:
+        client.close()
+
+
 class ComposeCheck:
     def __init__(self, stack: Stack, report: Report, grpc_port: int, http_port: int, workdir: str):
         self.stack, self.report = stack, report
@@ -201,23 +212,9 @@ class ComposeCheck:
     # --- the public API ----------------------------------------------------------------------------------------------
 
     def security(self) -> None:
-        plain = SpecdecClient(self.grpc_address, timeout_s=10, token=self.token)
-        try:
-            plain.generate(PROMPTS[0], max_new_tokens=2)
-            refused = "no error"
-        except grpc.RpcError as e:
-            refused = e.code().name
-        finally:
-            plain.close()
+        refused = _refusal(SpecdecClient(self.grpc_address, timeout_s=10, token=self.token))
         self.report.check(refused == "UNAVAILABLE", f"gRPC without TLS is refused ({refused})")
-        anonymous = SpecdecClient(self.grpc_address, timeout_s=10, tls=self.client_tls())
-        try:
-            anonymous.generate(PROMPTS[0], max_new_tokens=2)
-            refused = "no error"
-        except grpc.RpcError as e:
-            refused = e.code().name
-        finally:
-            anonymous.close()
+        refused = _refusal(SpecdecClient(self.grpc_address, timeout_s=10, tls=self.client_tls()))
         self.report.check(refused == "UNAUTHENTICATED", f"gRPC over TLS without a token is refused ({refused})")
         status = self.http("GET", "/v1/models", token=None)[0]
         self.report.check(status == 401, f"HTTP /v1/models without a token: {status}")

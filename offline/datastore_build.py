@@ -14,6 +14,7 @@ import json
 import logging
 import pathlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,15 +76,29 @@ def overlapping_benchmark(prompts: list[str]) -> list[str]:
     return [p for p in prompts if _shingles(p) & bench]
 
 
-def build_from_teacher_data(train: Any, held: Any, tokenizer_fingerprint: str, vocab_size: int, target: str,
-                            max_n: int = 4, min_count: int = 1, draft_lens=(4, 8), tree_budgets=(4, 6, 8),
-                            exclude_prompts: list[list[int]] = ()) -> tuple[NgramDatastore, dict]:
-    """exclude_prompts: prompt ids whose replies are left out (see overlapping_benchmark)."""
+@dataclass(frozen=True)
+class TableSettings:
+    """Which target a table is for (the drafter checks these before it uses one) and which n-grams it keeps:
+    up to `max_n` tokens long, seen at least `min_count` times."""
+
+    target: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    max_n: int = 4
+    min_count: int = 1
+
+
+def build_from_teacher_data(train: Any, held: Any, table: TableSettings, exclude_prompts: list[list[int]] = (),
+                            draft_lens=(4, 8), tree_budgets=(4, 6, 8)) -> tuple[NgramDatastore, dict]:
+    """The table from the target's replies in `train`, and a report of tokens per step on `held`'s replies at
+    each draft length and tree budget. exclude_prompts: prompt ids whose replies are left out (see
+    overlapping_benchmark)."""
+    vocab_size = table.vocab_size
     excluded = {tuple(p) for p in exclude_prompts}
     train_replies = replies(train)
     kept = [(ids, s) for ids, s in train_replies if tuple(ids[:s + 1]) not in excluded]
-    store = NgramDatastore.build(kept, max_n=max_n, min_count=min_count, target=target,
-                                 tokenizer_fingerprint=tokenizer_fingerprint, vocab_size=vocab_size)
+    store = NgramDatastore.build(kept, max_n=table.max_n, min_count=table.min_count, target=table.target,
+                                 tokenizer_fingerprint=table.tokenizer_fingerprint, vocab_size=vocab_size)
     held_replies = replies(held)
     plain, with_store = NgramProposer(vocab_size), NgramProposer(vocab_size, datastore=store)
     report = {"replies": len(kept), "excluded_replies": len(train_replies) - len(kept),
@@ -143,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     overlap = overlapping_benchmark(prompts)
     if overlap:
         logger.info("leaving out %d training prompt(s) that overlap the benchmark's: %s", len(overlap), overlap)
-    store, report = build_from_teacher_data(train, held, loaded.fingerprint, loaded.vocab_size, args.target_model,
-                                            max_n=args.max_n, min_count=args.min_count,
-                                            exclude_prompts=[distill.encode_prompt(loaded.tokenizer, p) for p in overlap])
+    table = TableSettings(args.target_model, loaded.fingerprint, loaded.vocab_size, args.max_n, args.min_count)
+    store, report = build_from_teacher_data(train, held, table,
+                                            [distill.encode_prompt(loaded.tokenizer, p) for p in overlap])
     store.meta.update(train_prompts=n_train, seed=args.seed, build_s=round(time.monotonic() - t0, 1),
                       teacher_timings_s={k: round(v, 1) for k, v in timings.items()})
     store.save(out)

@@ -33,28 +33,31 @@ class Prompt:
 
 CATEGORIES = ("chat", "code", "summary", "edit", "extraction", "rag", "multi_turn", "structured")
 
-_TALLY_HISTORY = (
-    {"role": "user", "content": "What is new in this release?\n\n" + P.RELEASE},
-    {"role": "assistant", "content": "Version 4.2 of Tally adds bank imports in the CSV format used by most European "
-                                     "banks, a dark theme, and a yearly report that groups expenses by category. It "
-                                     "also fixes a rounding bug in currency amounts and a bug that lost unsaved "
-                                     "notes when the app was closed."},
+
+def _turns(*texts: str) -> tuple[dict, ...]:
+    """Earlier chat messages, alternating user and assistant, the user's first."""
+    return tuple({"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(texts))
+
+
+_TALLY_HISTORY = _turns(
+    "What is new in this release?\n\n" + P.RELEASE,
+    "Version 4.2 of Tally adds bank imports in the CSV format used by most European banks, a dark theme, and a "
+    "yearly report that groups expenses by category. It also fixes a rounding bug in currency amounts and a bug that "
+    "lost unsaved notes when the app was closed.",
 )
-_TRIP_HISTORY = (
-    {"role": "user", "content": "I am planning a weekend on the coast. How do the trains work?\n\n" + P.TRAIN},
-    {"role": "assistant", "content": "Trains on the coast line run every thirty minutes between 6 am and 10 pm and "
-                                     "every hour after that until midnight. A single ticket costs 3.40 euros and a "
-                                     "day ticket 8 euros, and children under twelve travel free with an adult."},
-    {"role": "user", "content": "Can I take my bike?"},
-    {"role": "assistant", "content": "Yes, bicycles are allowed on all trains except those arriving in the city "
-                                     "between 7.30 and 9 am."},
+_TRIP_HISTORY = _turns(
+    "I am planning a weekend on the coast. How do the trains work?\n\n" + P.TRAIN,
+    "Trains on the coast line run every thirty minutes between 6 am and 10 pm and every hour after that until "
+    "midnight. A single ticket costs 3.40 euros and a day ticket 8 euros, and children under twelve travel free with "
+    "an adult.",
+    "Can I take my bike?",
+    "Yes, bicycles are allowed on all trains except those arriving in the city between 7.30 and 9 am.",
 )
-_BAKERY_HISTORY = (
-    {"role": "user", "content": "Tell me about this bakery.\n\n" + P.BAKERY},
-    {"role": "assistant", "content": "The Corner Loaf was opened in 1998 by the brothers Tomas and Luis Ferrer. "
-                                     "They bake about six hundred loaves a day in a wood-fired oven, and their best "
-                                     "seller is a rye sourdough. Since 2021 they deliver by cargo bike, and they "
-                                     "close for the whole of August."},
+_BAKERY_HISTORY = _turns(
+    "Tell me about this bakery.\n\n" + P.BAKERY,
+    "The Corner Loaf was opened in 1998 by the brothers Tomas and Luis Ferrer. They bake about six hundred loaves a "
+    "day in a wood-fired oven, and their best seller is a rye sourdough. Since 2021 they deliver by cargo bike, and "
+    "they close for the whole of August.",
 )
 
 PROMPTS: list[Prompt] = [

@@ -13,10 +13,12 @@ from specdec import observability as telemetry
 from specdec.core import wire
 from specdec.core.grpc_util import (RpcAbort, ServiceServer, call_deadline, handle_errors, handle_stream_errors,
                                     require_session_id)
+from specdec.core.settings import from_args
 from specdec.ops.service import add_service_arguments, prepare_process, run_until_signal
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engines import select as engines
 from target_service.engines.base import TargetBackend
+from target_service.engines.jobs import DecodeTask, VerifyTask
 from target_service.settings import TargetSettings
 from target_service.streaming import start_decode_stream
 
@@ -92,7 +94,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not params.is_greedy:
             probs = wire.decode_distributions(request.draft_probs, self.engine.vocab_size, len(draft))
         telemetry.annotate(session_id=sid, draft_tokens=len(draft))
-        out = self.engine.verify(sid, prefix_len, delta, draft, probs, params, request.sampling.seed, request.step)
+        out = self.engine.verify(VerifyTask(sid, prefix_len, delta, draft, probs, params, request.sampling.seed,
+                                            request.step))
         telemetry.record_verify(len(draft), out.num_accepted, out.verify_ms)
         return target_pb2.VerifyResponse(
             num_accepted=out.num_accepted, next_token=out.next_token, cached_len=out.cached_len, verify_ms=out.verify_ms
@@ -117,28 +120,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             probs = wire.decode_distributions(msg.probs, self.engine.vocab_size, len(tokens))
         telemetry.annotate(session_id=sid, draft_tokens=len(tokens), tree=True)
         self._injected_latency()
-        out = self.engine.verify(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
-                                 request.step, tree_parents=parents)
+        out = self.engine.verify(VerifyTask(sid, prefix_len, delta, tokens, probs, params, request.sampling.seed,
+                                            request.step, tree_parents=parents))
         telemetry.record_verify(len(tokens), out.num_accepted, out.verify_ms)
         return target_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token=out.next_token,
                                          cached_len=out.cached_len, verify_ms=out.verify_ms,
                                          accepted_nodes=list(out.accepted_nodes))
 
-    @handle_errors
-    def Decode(self, request, context):
+    def _decode_task(self, request: target_pb2.DecodeRequest, max_tokens: int) -> DecodeTask:
+        """A Decode or DecodeStream request, checked, as the engine takes it."""
         sid = require_session_id(request.session_id)
         prefix_len, delta = self._delta(request.delta)
         params = wire.sampling_from_proto(request.sampling)
-        if not 1 <= request.max_tokens <= self.max_decode_tokens:
-            raise RpcAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{self.max_decode_tokens}"
-            )
-        telemetry.annotate(session_id=sid, max_tokens=request.max_tokens)
+        if not 1 <= request.max_tokens <= max_tokens:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{max_tokens}")
+        return DecodeTask(sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
+                          frozenset(request.stop_token_ids))
+
+    @handle_errors
+    def Decode(self, request, context):
+        task = self._decode_task(request, self.max_decode_tokens)
+        telemetry.annotate(session_id=task.session_id, max_tokens=task.max_tokens)
         self._injected_latency()
-        tokens, cached_len, ms = self.engine.decode(
-            sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
-            set(request.stop_token_ids),
-        )
+        tokens, cached_len, ms = self.engine.decode(task)
         return target_pb2.DecodeResponse(tokens=tokens, cached_len=cached_len, decode_ms=ms)
 
     # A stream ends by itself this long (at most) before its deadline, after a block: the caller opens the next one
@@ -147,16 +151,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @handle_stream_errors
     def DecodeStream(self, request, context):
-        sid = require_session_id(request.session_id)
-        prefix_len, delta = self._delta(request.delta)
-        params = wire.sampling_from_proto(request.sampling)
-        limit = self.engine.loaded.max_context
-        if not 1 <= request.max_tokens <= limit:
-            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{limit}")
-        telemetry.annotate(session_id=sid, max_tokens=request.max_tokens, stream=True)
+        task = self._decode_task(request, self.engine.loaded.max_context)
+        telemetry.annotate(session_id=task.session_id, max_tokens=task.max_tokens, stream=True)
         self._injected_latency()
-        stream = start_decode_stream(self.engine, sid, prefix_len, delta, request.max_tokens, params,
-                                     request.sampling.seed, request.step, set(request.stop_token_ids))
+        stream = start_decode_stream(self.engine, task)
         context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
         deadline, sent = call_deadline(), 0
         want = max(1, request.first_block_tokens or request.block_tokens)
@@ -220,7 +218,7 @@ def serve(args: argparse.Namespace) -> None:
     if not 0.0 <= args.batch_wait_fraction <= 1.0:
         raise SystemExit(f"--batch-wait-fraction must be between 0 and 1, got {args.batch_wait_fraction}")
     prepare_process(args, "specdec-target", log)
-    engine = engines.build_engine(args)
+    engine = engines.build_engine(from_args(TargetSettings, args))
     if args.profile_forward == "on":
         # A batching target profiles up to a few full rows: the orchestrator weighs a batch's total tokens.
         rows = min(engine.max_batch, 4)

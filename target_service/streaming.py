@@ -9,20 +9,19 @@ import contextvars
 import threading
 
 from specdec.core.grpc_util import call_deadline
+from target_service.engines.jobs import DecodeTask
 from target_service.engines.llama_steps import DecodeWork
 
 
-def start_decode_stream(engine, session_id: str, prefix_len: int, delta: list[int], max_tokens: int, params,
-                        seed: int, step: int, stop_token_ids=frozenset()) -> DecodeWork:
+def start_decode_stream(engine, task: DecodeTask) -> DecodeWork:
     own = getattr(engine, "decode_stream", None)
     if own is not None:
-        return own(session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
-    sink = DecodeWork(session_id, prefix_len, delta, call_deadline(), max_tokens, params, seed, step, stop_token_ids)
+        return own(task)
+    sink = DecodeWork(task, call_deadline())
 
     def run() -> None:
         try:
-            engine.decode(session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids,
-                          on_token=lambda token, cached_len: not (sink.push(token, cached_len) or sink.cancelled))
+            engine.decode(task, on_token=lambda token, cached_len: not (sink.push(token, cached_len) or sink.cancelled))
             with sink.cond:  # ended by its consumer's cancel: wake anyone still waiting
                 sink.finished = True
                 sink.cond.notify_all()
@@ -30,5 +29,5 @@ def start_decode_stream(engine, session_id: str, prefix_len: int, delta: list[in
             sink.fail(e)
 
     context = contextvars.copy_context()  # the call's deadline, for the engine's queued steps
-    threading.Thread(target=context.run, args=(run,), name=f"decode-stream-{session_id[:16]}", daemon=True).start()
+    threading.Thread(target=context.run, args=(run,), name=f"decode-stream-{task.session_id[:16]}", daemon=True).start()
     return sink

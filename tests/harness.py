@@ -181,7 +181,8 @@ def count_sessions_at_target(engine, delay_s: float = 0.0, gate: threading.Event
     inflight, peak, lock, one_at_a_time = Counter(), [0], threading.Lock(), threading.RLock()
 
     def counting(fn):
-        def call(session_id, *args, **kwargs):
+        def call(first, *args, **kwargs):
+            session_id = getattr(first, "session_id", first)  # prefill(session_id, ...), verify/decode(task)
             with lock:
                 inflight[session_id] += 1
                 peak[0] = max(peak[0], len(inflight))
@@ -194,7 +195,7 @@ def count_sessions_at_target(engine, delay_s: float = 0.0, gate: threading.Event
                     raise TimeoutError("the target did not get to the call before its deadline")
                 try:
                     time.sleep(delay_s)
-                    return fn(session_id, *args, **kwargs)
+                    return fn(first, *args, **kwargs)
                 finally:
                     if serial:
                         one_at_a_time.release()

@@ -19,6 +19,7 @@ from specdec.core.kv_cache import SessionCacheStore
 from specdec.core.sampling import SamplingParams
 from target_service.engines.torch import TargetEngine
 from tests.harness import TARGET, count_sessions_at_target, model, run_sampling, start_stack
+from target_service.engines.jobs import DecodeTask, VerifyTask
 
 PROMPTS = [[1, 5, 9, 12], [3, 3, 20, 21], [7, 2, 7, 2, 40], [11, 13, 17], [4, 8, 15, 16, 23], [30, 1, 30, 2]]
 
@@ -163,10 +164,10 @@ def test_a_target_only_prompt_prefills_through_the_one_at_a_time_gate(window_ms)
     engine._prefill_session = lambda sess, prefix_len, delta: prefills.append(
         (sess.session_id, prefix_len, list(delta))) or real(sess, prefix_len, delta)
     prompt = PROMPTS[4]
-    whole = engine.verify("ref", 0, prompt, [], None, SamplingParams(), 0, 0).next_token  # one forward
-    tokens, cached, _ = engine.decode("s", 0, prompt, 3, SamplingParams(), 0, 0)
+    whole = engine.verify(VerifyTask("ref", 0, prompt, [], None, SamplingParams(), 0, 0)).next_token  # one forward
+    tokens, cached, _ = engine.decode(DecodeTask("s", 0, prompt, 3, SamplingParams(), 0, 0))
     assert prefills == [("s", 0, prompt[:-1])] and tokens[0] == whole
-    engine.decode("s", cached, [tokens[-1]], 2, SamplingParams(), 0, 1)  # a step: nothing to prefill
+    engine.decode(DecodeTask("s", cached, [tokens[-1]], 2, SamplingParams(), 0, 1))  # a step: nothing to prefill
     assert len(prefills) == 1
 
 

@@ -8,6 +8,7 @@ import torch
 
 from specdec.core.kv_cache import CachedLM, SessionCacheStore, extend_batch
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
+from target_service.engines.jobs import DecodeTask
 
 pytestmark = pytest.mark.serial  # timing-sensitive: runs after the parallel part, alone (scripts/test.sh)
 
@@ -103,7 +104,7 @@ def test_batched_forward_keeps_only_the_rows_asked_for():
 def _decode(engine, sid, ctx, n, temperature):
     from specdec.core.sampling import SamplingParams
 
-    return engine.decode(sid, 0, ctx, n, SamplingParams(temperature=temperature), 7, 3)
+    return engine.decode(DecodeTask(sid, 0, ctx, n, SamplingParams(temperature=temperature), 7, 3))
 
 
 def test_batched_decode_is_the_unbatched_decode():
@@ -123,8 +124,9 @@ def test_batched_decode_is_the_unbatched_decode():
         tokens, cached = want[0], want[1]
         from specdec.core.sampling import SamplingParams
 
-        more_plain = plain.decode(f"p{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
-        more_batched = batched.decode(f"b{temperature}", cached, [tokens[-1]], 3, SamplingParams(temperature), 7, 4)
+        params = SamplingParams(temperature)
+        more_plain = plain.decode(DecodeTask(f"p{temperature}", cached, [tokens[-1]], 3, params, 7, 4))
+        more_batched = batched.decode(DecodeTask(f"b{temperature}", cached, [tokens[-1]], 3, params, 7, 4))
         assert more_plain[:2] == more_batched[:2]
 
 

@@ -14,11 +14,12 @@ import time
 import grpc
 import pytest
 
-from orchestrator.replicas.clients import TargetClient
+from orchestrator.replicas.clients import DecodeCall, TargetClient
 from specdec.core.sampling import SamplingParams
 from target_service.engines.llama_steps import SPLIT_SAFE_ROWS
 from target_service.server import build_server
 from tests.test_llamacpp_engine import GREEDY, PROMPTS, make_engine, prompt_ids
+from target_service.engines.jobs import DecodeTask, VerifyTask
 
 pytestmark = pytest.mark.smollm2
 
@@ -36,7 +37,7 @@ def engine():
 
 
 def alone(engine, sid: str, ids: list[int], n: int) -> list[int]:
-    tokens = engine.decode(sid, 0, ids, n, GREEDY, 0, 0)[0]
+    tokens = engine.decode(DecodeTask(sid, 0, ids, n, GREEDY, 0, 0))[0]
     engine.release(sid)
     return tokens
 
@@ -67,7 +68,7 @@ class StepRecorder:
 def test_a_stream_gives_the_unary_decodes_tokens_in_blocks(engine):
     ids = prompt_ids(engine, PROMPTS[0])
     ref = alone(engine, "ref", ids, 20)
-    stream = engine.decode_stream("s", 0, ids, 20, GREEDY, 0, 0)
+    stream = engine.decode_stream(DecodeTask("s", 0, ids, 20, GREEDY, 0, 0))
     first = stream.take(1, 30)
     assert first.tokens and first.tokens == ref[: len(first.tokens)]
     got = list(first.tokens)
@@ -86,10 +87,10 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
     refs = [alone(engine, f"ref{i}", ids, 24) for i, ids in enumerate(prompts)]
     assert len({tuple(r) for r in refs}) == len(refs)  # distinct: a row mix-up shows
     with StepRecorder(engine) as rec:
-        long_stream = engine.decode_stream("a", 0, prompts[0], 24, GREEDY, 0, 0)
+        long_stream = engine.decode_stream(DecodeTask("a", 0, prompts[0], 24, GREEDY, 0, 0))
         got_a = list(long_stream.take(3, 60).tokens)  # "a" is generating when the others join
-        joined = [engine.decode_stream(f"j{i}", 0, prompts[i], 24, GREEDY, 0, 0) for i in (1, 2)]
-        leaver = engine.decode_stream("leaver", 0, prompts[3], 24, GREEDY, 0, 0)
+        joined = [engine.decode_stream(DecodeTask(f"j{i}", 0, prompts[i], 24, GREEDY, 0, 0)) for i in (1, 2)]
+        leaver = engine.decode_stream(DecodeTask("leaver", 0, prompts[3], 24, GREEDY, 0, 0))
         got_leaver = list(leaver.take(5, 60).tokens)
         leaver.cancel()  # leaves the batch mid-way; the others go on
         outs = []
@@ -123,9 +124,9 @@ def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):
     short = prompt_ids(engine, PROMPTS[1])
     ref_long, ref_short = alone(engine, "rl", long_ids, 8), alone(engine, "rs", short, 40)
     with StepRecorder(engine) as rec:
-        running = engine.decode_stream("run", 0, short, 40, GREEDY, 0, 0)
+        running = engine.decode_stream(DecodeTask("run", 0, short, 40, GREEDY, 0, 0))
         running.take(2, 60)
-        newcomer = engine.decode_stream("new", 0, long_ids, 8, GREEDY, 0, 0)
+        newcomer = engine.decode_stream(DecodeTask("new", 0, long_ids, 8, GREEDY, 0, 0))
         outs = []
         for work in (newcomer, running):
             tokens = []
@@ -150,10 +151,10 @@ def test_a_verify_block_joins_a_streams_step_as_it_runs_alone(engine):
     block = ref[:3] + [(ref[3] + 1) % engine.vocab_size]
     ref_s = alone(engine, "sref", ids_s, 30)
     engine.prefill("v", 0, ids_v)
-    stream = engine.decode_stream("s", 0, ids_s, 30, GREEDY, 0, 0)
+    stream = engine.decode_stream(DecodeTask("s", 0, ids_s, 30, GREEDY, 0, 0))
     stream.take(2, 60)
     steps_before = engine.steps
-    out = engine.verify("v", len(ids_v), [], block, None, GREEDY, 0, 0)
+    out = engine.verify(VerifyTask("v", len(ids_v), [], block, None, GREEDY, 0, 0))
     assert (out.num_accepted, out.next_token, out.cached_len) == (3, ref[3], len(ids_v) + 3)
     assert out.batch_size == 2 and engine.steps > steps_before  # it shared the stream's step
     tokens = []
@@ -167,9 +168,9 @@ def test_a_verify_block_joins_a_streams_step_as_it_runs_alone(engine):
 def test_a_sampled_stream_is_the_unary_decodes_random_stream(engine):
     ids = prompt_ids(engine, PROMPTS[0])
     params = SamplingParams(temperature=0.9, top_k=40)
-    unary = engine.decode("u", 0, ids, 12, params, 7, 3)[0]
+    unary = engine.decode(DecodeTask("u", 0, ids, 12, params, 7, 3))[0]
     engine.release("u")
-    work = engine.decode_stream("st", 0, ids, 12, params, 7, 3)
+    work = engine.decode_stream(DecodeTask("st", 0, ids, 12, params, 7, 3))
     tokens = []
     while not (b := work.take(4, 60)).finished:
         tokens += b.tokens
@@ -189,9 +190,9 @@ def served(engine):
 def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[1])
-    ref = client.decode("rpc-ref", ids, 0, 30, GREEDY, 0, 0, [], 60.0)
+    ref = client.decode(DecodeCall("rpc-ref", ids, 0, 30, GREEDY), 60.0)
     client.release("rpc-ref")
-    stream = client.decode_stream("rpc", ids, 0, 30, GREEDY, 0, 0, [], 60.0, block_tokens=4, first_block_tokens=1)
+    stream = client.decode_stream(DecodeCall("rpc", ids, 0, 30, GREEDY, block_tokens=4, first_block_tokens=1), 60.0)
     blocks = [stream.first]
     while (d := stream.next()) is not None:
         blocks.append(d)
@@ -204,7 +205,7 @@ def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
 def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[0])
-    stream = client.decode_stream("cx", ids, 0, 400, GREEDY, 0, 0, [], 60.0, block_tokens=1)
+    stream = client.decode_stream(DecodeCall("cx", ids, 0, 400, GREEDY, block_tokens=1), 60.0)
     assert stream.next() is not None
     stream.cancel()
     deadline = time.monotonic() + 10
@@ -225,10 +226,10 @@ def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
 def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[0])
-    ref = client.decode("miss-ref", ids, 0, 10, GREEDY, 0, 0, [], 60.0).tokens
+    ref = client.decode(DecodeCall("miss-ref", ids, 0, 10, GREEDY), 60.0).tokens
     client.release("miss-ref")
     committed = ids + ref[:4]
-    stream = client.decode_stream("miss", committed, len(committed) - 1, 6, GREEDY, 0, 0, [], 60.0, block_tokens=2)
+    stream = client.decode_stream(DecodeCall("miss", committed, len(committed) - 1, 6, GREEDY, block_tokens=2), 60.0)
     assert stream.resynced  # the target held nothing: the whole context was resent
     tokens = list(stream.first.tokens)
     while (d := stream.next()) is not None:
@@ -240,10 +241,10 @@ def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(
 def test_decode_stream_bad_input_is_a_clear_error(served):
     engine, client = served
     with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream("bad", [1, 2], 0, 0, GREEDY, 0, 0, [], 10.0)
+        client.decode_stream(DecodeCall("bad", [1, 2], 0, 0, GREEDY), 10.0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream("bad", [engine.vocab_size + 5], 0, 4, GREEDY, 0, 0, [], 10.0)
+        client.decode_stream(DecodeCall("bad", [engine.vocab_size + 5], 0, 4, GREEDY), 10.0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -253,7 +254,7 @@ def test_a_stream_ends_cleanly_before_its_deadline(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[1])
     client.prefill("dl", ids, 0, 60.0)  # the stream's time goes to decoding, even on a loaded machine
-    stream = client.decode_stream("dl", ids, len(ids), 1500, GREEDY, 0, 0, [], 6.0, block_tokens=2)
+    stream = client.decode_stream(DecodeCall("dl", ids, len(ids), 1500, GREEDY, block_tokens=2), 6.0)
     n = len(stream.first.tokens)
     while (d := stream.next()) is not None:
         n += len(d.tokens)
@@ -270,7 +271,7 @@ def test_concurrent_unary_calls_still_share_steps():
         works_before, steps_before = e.step_works, e.steps
         results: dict[int, list[int]] = {}
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, e.decode(f"c{i}", 0, ids[i], 10, GREEDY, 0, 0)[0])) for i in range(3)]
+            i, e.decode(DecodeTask(f"c{i}", 0, ids[i], 10, GREEDY, 0, 0))[0])) for i in range(3)]
         for t in threads:
             t.start()
         for t in threads:

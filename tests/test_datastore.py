@@ -109,7 +109,7 @@ def test_datastore_command_quick(tmp_path, capsys):
 
 def test_benchmark_prompts_stay_out_of_the_table():
     from specdec.eval_prompts import PROMPTS
-    from offline.datastore_build import build_from_teacher_data, overlapping_benchmark
+    from offline.datastore_build import TableSettings, build_from_teacher_data, overlapping_benchmark
     from offline.distill import TeacherData
     import torch
 
@@ -119,6 +119,6 @@ def test_benchmark_prompts_stay_out_of_the_table():
     for prompt, reply in (([1, 2], [10, 11, 12]), ([3, 4], [20, 21, 22])):
         seq = torch.tensor(prompt + reply)
         data.add(seq, len(prompt) - 1, torch.zeros(len(reply), 30), 2, "gen")
-    store, report = build_from_teacher_data(data, data, "f", 30, "t", exclude_prompts=[[3, 4]])
+    store, report = build_from_teacher_data(data, data, TableSettings("t", "f", 30), exclude_prompts=[[3, 4]])
     assert report["excluded_replies"] == 1 and report["replies"] == 1
     assert store.next_token([10]) == 11 and store.next_token([20]) is None

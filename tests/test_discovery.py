@@ -11,6 +11,7 @@ import pytest
 from orchestrator.replicas.clients import TargetClient
 from orchestrator.replicas.discovery import Discovery, DnsName, parse_dns, resolve_getaddrinfo
 from orchestrator.replicas.draft_pool import OPEN, DraftPool
+from orchestrator.replicas.pool import PoolSettings
 from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
 from orchestrator.api.server import (Connections, OrchestratorServicer, build_server as build_orchestrator_server,
                                      check_compatible)
@@ -91,7 +92,7 @@ def test_a_name_that_stops_resolving_keeps_its_replicas_an_empty_answer_empties_
 
 def test_plain_addresses_are_left_to_grpc_and_never_resolved():
     dns = FakeDns("10.0.0.9:1")
-    pool = DraftPool(["127.0.0.1:1", "draft:50051"], resolve=dns, resolve_interval_s=0.05)
+    pool = DraftPool(["127.0.0.1:1", "draft:50051"], PoolSettings(resolve_interval_s=0.05), resolve=dns)
     try:
         assert [r.address for r in pool.replicas] == ["127.0.0.1:1", "draft:50051"]
         assert pool._resolver is None
@@ -103,7 +104,7 @@ def test_plain_addresses_are_left_to_grpc_and_never_resolved():
 
 def test_each_resolved_address_is_a_replica_and_replicas_join_and_leave(monkeypatch):
     dns = FakeDns("127.0.0.1:1", "127.0.0.2:1")
-    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=3600, health_interval_s=3600)
+    pool = DraftPool(["dns:///draft:1"], PoolSettings(resolve_interval_s=3600, health_interval_s=3600), resolve=dns)
     try:
         first, second = pool.replicas
         assert (first.address, second.address) == ("127.0.0.1:1", "127.0.0.2:1")
@@ -137,7 +138,7 @@ def test_a_pool_whose_name_does_not_resolve_yet_starts_empty_and_fills_when_it_d
     """Kubernetes: the orchestrator may start before any draft pod is ready (the headless name has no records)."""
     dns = FakeDns("127.0.0.1:1")
     dns.fail = True
-    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=0.05, health_interval_s=3600)
+    pool = DraftPool(["dns:///draft:1"], PoolSettings(resolve_interval_s=0.05, health_interval_s=3600), resolve=dns)
     try:
         assert pool.replicas == [] and pool.pick("s") is None and not pool.any_available()  # target-only for now
         dns.fail = False
@@ -149,7 +150,7 @@ def test_a_pool_whose_name_does_not_resolve_yet_starts_empty_and_fills_when_it_d
 
 def test_rendezvous_affinity_moves_only_the_sessions_of_a_replica_that_left():
     dns = FakeDns("127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1")
-    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=3600, health_interval_s=3600)
+    pool = DraftPool(["dns:///draft:1"], PoolSettings(resolve_interval_s=3600, health_interval_s=3600), resolve=dns)
     try:
         sessions = [f"session-{i}" for i in range(60)]
         before = {s: pool.ranking(s)[0].address for s in sessions}
@@ -164,7 +165,7 @@ def test_rendezvous_affinity_moves_only_the_sessions_of_a_replica_that_left():
 
 def test_the_name_is_resolved_again_periodically():
     dns = FakeDns("127.0.0.1:1")
-    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=0.05, health_interval_s=3600)
+    pool = DraftPool(["dns:///draft:1"], PoolSettings(resolve_interval_s=0.05, health_interval_s=3600), resolve=dns)
     try:
         dns.addresses = ["127.0.0.1:1", "127.0.0.2:1"]
         assert wait_until(lambda: len(pool.replicas) == 2)
@@ -176,8 +177,8 @@ def test_the_name_is_resolved_again_periodically():
 
 def test_a_replica_failing_triggers_a_resolution_before_the_interval():
     dns = FakeDns("127.0.0.1:1")
-    pool = DraftPool(["dns:///draft:1"], resolve=dns, resolve_interval_s=3600, health_interval_s=3600,
-                     breaker_failures=1)
+    pool = DraftPool(["dns:///draft:1"], PoolSettings(resolve_interval_s=3600, health_interval_s=3600, breaker_failures=1),
+                     resolve=dns)
     try:
         time.sleep(0.1)
         lookups = len(dns.lookups)
@@ -216,8 +217,8 @@ def test_with_tls_a_resolved_replica_is_checked_against_the_dns_name(tmp_path):
     try:
         server = start_draft("ngram", "127.0.0.1:0")
         port = int(server.address.rsplit(":", 1)[1])
-        pool = DraftPool([f"dns:///draft.test:{port}"], resolve=FakeDns(f"127.0.0.1:{port}"),
-                         health_interval_s=3600, resolve_interval_s=3600)
+        pool = DraftPool([f"dns:///draft.test:{port}"], PoolSettings(health_interval_s=3600, resolve_interval_s=3600),
+                         resolve=FakeDns(f"127.0.0.1:{port}"))
         assert pool.replicas[0].client.info(timeout=10).strategy == "ngram"
         plain = DraftClient(f"127.0.0.1:{port}")
         with pytest.raises(grpc.RpcError):
@@ -242,7 +243,7 @@ class DnsStack:
         self.drafts = drafts
         target = TargetClient(self.target_server.address)
         target_info = target.info()
-        self.pool = DraftPool(["dns:///draft.test:%d" % dns.port], resolve=dns, resolve_interval_s=0.1,
+        self.pool = DraftPool(["dns:///draft.test:%d" % dns.port], PoolSettings(resolve_interval_s=0.1), resolve=dns,
                               on_info=lambda replica, info: check_compatible(target_info, info))
         cfg = LoopConfig(default_draft_len=3, draft_timeout_floor_ms=5000)
         self.servicer = OrchestratorServicer(

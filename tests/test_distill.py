@@ -50,10 +50,10 @@ def test_distill_tiny_teacher_end_to_end(tmp_path):
     out_a, out_b = tmp_path / "a", tmp_path / "b"
     cache = tmp_path / "teacher.pt"
 
+    sources = distill.DistillSources(texts, prompts, heldout)
     student, report = distill.run_distillation(
-        teacher, tok, texts=texts, prompts=prompts, heldout_prompts=heldout, cfg=cfg, out_dir=out_a,
-        teacher_cache=cache, early_exit=[1], latency=False,
-    )
+        teacher, tok, sources, cfg, distill.DistillRun(out_dir=out_a, teacher_cache=cache, early_exit=[1],
+                                                       latency=False))
     h = report["heldout"]
     assert report["data"]["train_gen_positions"] > 0 and report["data"]["train_text_positions"] > 0
     assert report["data"]["heldout_positions"] > 0 and report["data"]["train_prompt_positions"] > 0
@@ -82,10 +82,8 @@ def test_distill_tiny_teacher_end_to_end(tmp_path):
     assert distill.mean_kl(loaded, held, 0) == pytest.approx(h["kl_final"], rel=1e-4)
 
     # same seed -> identical weights (teacher data recomputed without the cache)
-    student_b, report_b = distill.run_distillation(
-        teacher, tok, texts=texts, prompts=prompts, heldout_prompts=heldout, cfg=cfg, out_dir=out_b,
-        teacher_cache=None, latency=False,
-    )
+    student_b, report_b = distill.run_distillation(teacher, tok, sources, cfg,
+                                                   distill.DistillRun(out_dir=out_b, latency=False))
     sa, sb = student.state_dict(), student_b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
@@ -102,10 +100,9 @@ def test_distill_tiny_teacher_end_to_end(tmp_path):
 def test_different_seed_gives_different_student():
     teacher, tok = _tiny_teacher()
     texts, prompts, heldout = _sources()
-    a, _ = distill.run_distillation(teacher, tok, texts=texts, prompts=prompts, heldout_prompts=heldout,
-                                    cfg=_cfg(steps=3, seed=1), out_dir=None, latency=False)
-    b, _ = distill.run_distillation(teacher, tok, texts=texts, prompts=prompts, heldout_prompts=heldout,
-                                    cfg=_cfg(steps=3, seed=2), out_dir=None, latency=False)
+    sources, no_latency = distill.DistillSources(texts, prompts, heldout), distill.DistillRun(latency=False)
+    a, _ = distill.run_distillation(teacher, tok, sources, _cfg(steps=3, seed=1), no_latency)
+    b, _ = distill.run_distillation(teacher, tok, sources, _cfg(steps=3, seed=2), no_latency)
     assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, b.model.layers[0].mlp.up_proj.weight)
 
 

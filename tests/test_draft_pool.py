@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.replicas.clients import DraftReply
 from orchestrator.replicas.draft_pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from orchestrator.replicas.pool import PoolSettings
 
 
 def test_breaker_opens_after_its_threshold_probes_once_and_backs_off_on_a_failed_probe(monkeypatch):
@@ -101,7 +102,7 @@ def test_health_checks_open_the_breaker_when_a_replica_goes_away(grace):
     from tests.harness import start_draft
 
     server = start_draft("ngram")
-    pool = DraftPool([server.address], health_interval_s=0.5)
+    pool = DraftPool([server.address], PoolSettings(health_interval_s=0.5))
     try:
         replica = pool.replicas[0]
         assert _wait(lambda: replica.check_health(1.0))
@@ -127,7 +128,7 @@ def test_a_draft_server_watched_by_several_orchestrators_stops_promptly():
 
     for attempt in range(4):
         server = start_draft("ngram")
-        pools = [DraftPool([server.address], health_interval_s=0.1) for _ in range(4)]
+        pools = [DraftPool([server.address], PoolSettings(health_interval_s=0.1)) for _ in range(4)]
         try:
             assert _wait(lambda: all(p.replicas[0].check_health(1.0) for p in pools))
             time.sleep(0.3)  # several health checks in between
@@ -201,7 +202,7 @@ def test_a_target_restarted_with_another_model_is_checked_again_before_it_gets_s
         if problem:
             raise IncompatibleTargets(problem)
 
-    pool = TargetPool(["127.0.0.1:1"], on_info=check, health_interval_s=3600)
+    pool = TargetPool(["127.0.0.1:1"], PoolSettings(health_interval_s=3600), on_info=check)
     try:
         replica = pool.replicas[0]
         replica.client.close()  # a stand-in answers GetInfo for whatever server is on the address

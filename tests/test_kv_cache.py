@@ -7,6 +7,7 @@ import torch
 
 from specdec.core.kv_cache import CacheMiss, CachedLM, SessionCacheStore
 from tests.harness import DRAFT_EARLY, TARGET, model, start_stack
+from target_service.engines.jobs import DecodeTask
 
 
 def fresh_logits(loaded, tokens):
@@ -107,7 +108,7 @@ def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile(windo
     engine = TargetEngine(model(TARGET), SessionCacheStore(max_sessions=1), batch_window_ms=window_ms)
     greedy = SamplingParams(temperature=0.0)
     prompt = [1, 5, 9, 12, 7, 3]
-    ref, _, _ = engine.decode("ref", 0, prompt, 8, greedy, 0, 0)
+    ref, _, _ = engine.decode(DecodeTask("ref", 0, prompt, 8, greedy, 0, 0))
 
     update_size = engine.store.update_size
     calls = []
@@ -119,6 +120,6 @@ def test_decode_keeps_its_prefill_when_another_session_evicts_it_meanwhile(windo
             engine.store.get("intruder")
 
     engine.store.update_size = update_then_intrude
-    tokens, cached, _ = engine.decode("a", 0, prompt, 8, greedy, 0, 0)
+    tokens, cached, _ = engine.decode(DecodeTask("a", 0, prompt, 8, greedy, 0, 0))
     assert "a" not in engine.store and engine.store.evictions >= 1
     assert tokens == ref and cached == len(prompt) + len(ref) - 1

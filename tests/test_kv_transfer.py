@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draft_service.int8_draft import int8_draft
-from orchestrator.replicas.clients import DraftClient, TargetClient
+from orchestrator.replicas.clients import DraftClient, ProposeCall, TargetClient
 from specdec.core import wire
 from specdec.core.kv_cache import SessionCacheStore, SessionKV
 from specdec.models import load_model, weights_fingerprint
@@ -129,10 +129,10 @@ def test_services_exchange_kv_and_refuse_it_where_it_does_not_belong():
         assert reply.kv.fingerprint == info.kv_fingerprint
         assert not target.prefill("t", PROMPT[:-1], 0, 10.0).HasField("kv")  # only when asked
 
-        proposal = draft.propose("s", PROMPT, 0, 4, greedy, 0, 0, 10.0, kv=reply.kv)
+        proposal = draft.propose(ProposeCall("s", PROMPT, 0, 4, greedy, kv=reply.kv), 10.0)
         assert len(proposal.tokens) == 4 and proposal.cached_len == len(PROMPT) + 3
-        assert draft.propose("s", PROMPT + proposal.tokens[:2], len(PROMPT) + 2, 4, greedy, 0, 1, 10.0).cached_len \
-            == len(PROMPT) + 2 + 3  # the session goes on from the imported positions
+        again = ProposeCall("s", PROMPT + proposal.tokens[:2], len(PROMPT) + 2, 4, greedy, step=1)
+        assert draft.propose(again, 10.0).cached_len == len(PROMPT) + 2 + 3  # the session goes on from the imported positions
 
         def refused(client, code, match, pos=0, kv=reply.kv, committed=PROMPT):
             with pytest.raises(grpc.RpcError) as e:

@@ -14,6 +14,7 @@ import pytest
 
 from target_service.engines.llama_cache import plan_cache
 from tests.test_llamacpp_engine import GREEDY, MISSING, prompt_ids
+from target_service.engines.jobs import VerifyTask
 
 pytestmark = pytest.mark.smollm2
 
@@ -24,12 +25,15 @@ def target_engine(*argv: str):
     """The engine `specdec serve target --engine llamacpp ARGV` builds."""
     if MISSING:
         pytest.fail(MISSING)
+    from specdec.core.settings import from_args
     from target_service.engines.select import build_engine
     from target_service.server import add_arguments
+    from target_service.settings import TargetSettings
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", *argv]))
+    return build_engine(from_args(TargetSettings, parser.parse_args(["--model", "smollm2", "--engine", "llamacpp",
+                                                                     *argv])))
 
 
 def warnings_of(caplog) -> list[str]:
@@ -142,7 +146,8 @@ def test_a_tree_budget_on_a_llamacpp_stack_starts_a_target_that_verifies_trees(t
         assert engine.kv_unified and engine.max_sessions == 3
         ids = prompt_ids(engine, "Count from one to ten.")
         engine.prefill("tree", 0, ids)
-        outcome = engine.verify("tree", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+        tree = VerifyTask("tree", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
+        outcome = engine.verify(tree)
         assert outcome.num_accepted >= 0 and outcome.cached_len >= len(ids)
     finally:
         engine.close()

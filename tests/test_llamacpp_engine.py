@@ -17,7 +17,8 @@ from orchestrator.replicas.clients import TargetClient
 from specdec.core import sampling
 from specdec.models import smollm2_gguf_path
 from specdec.core.sampling import SamplingParams
-from target_service.engines.jobs import VerifyJob
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyTask
+from target_service.settings import TargetSettings
 from tests.harness import start_stack
 from tests.stats import chi_square_test, draws
 
@@ -43,7 +44,7 @@ def make_engine(**kw):
     from target_service.engines.llamacpp import LlamaCppEngine
 
     # 7 sessions of 2048 tokens: 16384 KV cells with the profile's stream
-    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, **{"max_sessions": 7, **kw})
+    return LlamaCppEngine(smollm2_gguf_path(), TargetSettings(**{"model": "smollm2", "max_sessions": 7, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def engine():
 @pytest.fixture(scope="module")
 def unified_engine():
     """The unified KV cache (one pool of cells for all sessions): what tree verification needs."""
-    e = make_engine(kv_unified=True, context_tokens=4096)
+    e = make_engine(llama_kv_unified=True, llama_context=4096)
     yield e
     e.close()
 
@@ -86,24 +87,24 @@ def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, e
 
 
 def greedy_continuation(engine, sid: str, prefix_len: int, first: int, n: int) -> list[int]:
-    tokens, _, _ = engine.decode(sid, prefix_len, [first], n, GREEDY, 0, 0)
+    tokens, _, _ = engine.decode(DecodeTask(sid, prefix_len, [first], n, GREEDY, 0, 0))
     return tokens
 
 
 def test_rejected_block_leaves_the_cache_as_a_fresh_session(engine):
     ids = prompt_ids(engine, PROMPTS[0])
     engine.prefill("fresh", 0, ids)
-    expected = engine.decode("fresh", len(ids), [], 12, GREEDY, 0, 0)[0]
+    expected = engine.decode(DecodeTask("fresh", len(ids), [], 12, GREEDY, 0, 0))[0]
     # A block whose first token is wrong: nothing accepted, 4 drafted positions must leave the sequence.
     wrong = (expected[0] + 1) % engine.vocab_size
     engine.prefill("crop", 0, ids)
-    out = engine.verify("crop", len(ids), [], [wrong, 5, 6, 7], None, GREEDY, 0, 0)
+    out = engine.verify(VerifyTask("crop", len(ids), [], [wrong, 5, 6, 7], None, GREEDY, 0, 0))
     assert (out.num_accepted, out.next_token, out.cached_len) == (0, expected[0], len(ids))
     seq_id = engine._sequences["crop"].seq_id
     assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) - 1
     # Two right tokens then a wrong one: two accepted, the rest cropped.
     block = [*expected[1:3], (expected[3] + 1) % engine.vocab_size, 9]
-    out = engine.verify("crop", len(ids), [expected[0]], block, None, GREEDY, 0, 1)
+    out = engine.verify(VerifyTask("crop", len(ids), [expected[0]], block, None, GREEDY, 0, 1))
     assert (out.num_accepted, out.next_token, out.cached_len) == (2, expected[3], len(ids) + 3)
     assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) + 2
     rest = greedy_continuation(engine, "crop", out.cached_len, out.next_token, 8)
@@ -118,7 +119,7 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
     alone = []
     for i, ids in enumerate(prompts):
         engine.prefill(f"alone{i}", 0, ids)
-        ref = engine.decode(f"alone{i}", len(ids), [], 6, GREEDY, 0, 0)[0]
+        ref = engine.decode(DecodeTask(f"alone{i}", len(ids), [], 6, GREEDY, 0, 0))[0]
         block = ref[:2] + [(ref[2] + 1) % engine.vocab_size]  # 2 accepted, then a correction
         alone.append((ids, ref, block))
     jobs = []
@@ -147,11 +148,11 @@ def test_concurrent_sessions_share_the_engines_steps():
     batched = make_engine(batch_window_ms=5.0, max_batch=4)
     try:
         ids = [prompt_ids(batched, p) for p in PROMPTS]
-        solo = [batched.decode(f"solo{i}", 0, p, 10, GREEDY, 0, 0)[0] for i, p in enumerate(ids)]
+        solo = [batched.decode(DecodeTask(f"solo{i}", 0, p, 10, GREEDY, 0, 0))[0] for i, p in enumerate(ids)]
         results: dict[int, list[int]] = {}
 
         def run(i):
-            results[i] = batched.decode(f"pair{i}", 0, ids[i], 10, GREEDY, 0, 0)[0]
+            results[i] = batched.decode(DecodeTask(f"pair{i}", 0, ids[i], 10, GREEDY, 0, 0))[0]
 
         steps, works = batched.steps, batched.step_works
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
@@ -183,7 +184,7 @@ def test_sampled_verification_keeps_the_target_distribution(engine):
     samples = []
     for seed in range(n):
         drafted = int(sampling.sample(q, sampling.make_generator(seed, "draft")))
-        out = engine.verify("p", len(ids), [], [drafted], q[None], params, seed, 0)
+        out = engine.verify(VerifyTask("p", len(ids), [], [drafted], q[None], params, seed, 0))
         samples.append(drafted if out.num_accepted else out.next_token)
     expected = {t: float(p[t]) for t in top}
     _, p_value = chi_square_test(samples, expected)
@@ -218,14 +219,14 @@ def test_tree_verification_keeps_the_accepted_path_only(unified_engine):
     engine = unified_engine
     ids = prompt_ids(engine, PROMPTS[1])
     engine.prefill("ref", 0, ids)
-    ref = engine.decode("ref", len(ids), [], 8, GREEDY, 0, 0)[0]
+    ref = engine.decode(DecodeTask("ref", len(ids), [], 8, GREEDY, 0, 0))[0]
     wrong = [(t + 1) % engine.vocab_size for t in ref]
     # Root children: a wrong token (with a child) and the right one; under the right one: a wrong and the right
     # next token, which has a right child (a leaf) and a wrong sibling branch of two.
     tokens = [wrong[0], ref[0], wrong[1], wrong[1], ref[1], ref[2], wrong[2], wrong[3]]
     parents = [-1, -1, 0, 1, 1, 4, 4, 6]
     engine.prefill("tree", 0, ids)
-    out = engine.verify("tree", len(ids), [], tokens, None, GREEDY, 0, 0, tree_parents=parents)
+    out = engine.verify(VerifyTask("tree", len(ids), [], tokens, None, GREEDY, 0, 0, tree_parents=parents))
     assert (out.accepted_nodes, out.next_token, out.cached_len) == ((1, 4, 5), ref[3], len(ids) + 3)
     seq_id = engine._sequences["tree"].seq_id
     assert llama_cpp.llama_memory_seq_pos_max(engine._mem, seq_id) == len(ids) + 2
@@ -256,8 +257,8 @@ def test_tree_on_the_per_session_streams_is_a_clear_error(engine):
     ids = prompt_ids(engine, PROMPTS[0])
     engine.prefill("tree-streams", 0, ids)
     with pytest.raises(ValueError, match="unified KV cache"):
-        engine.verify("tree-streams", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0])
-    assert engine.decode("tree-streams", len(ids), [], 2, GREEDY, 0, 0)[2] >= 0  # the session still works
+        engine.verify(VerifyTask("tree-streams", len(ids), [], [1, 2, 3], None, GREEDY, 0, 0, tree_parents=[-1, -1, 0]))
+    assert engine.decode(DecodeTask("tree-streams", len(ids), [], 2, GREEDY, 0, 0))[2] >= 0  # the session still works
     engine.release("tree-streams")
 
 
@@ -271,7 +272,7 @@ def decode_with_churn(engine, ids: list[int], steps: int, chunk: int) -> list[in
     engine.prefill("a", 0, ids[:-1])
     out, cached, delta = [], len(ids) - 1, [ids[-1]]
     for i in range(0, steps, chunk):
-        tokens, cached, _ = engine.decode("a", cached, delta, chunk, GREEDY, 0, i)
+        tokens, cached, _ = engine.decode(DecodeTask("a", cached, delta, chunk, GREEDY, 0, i))
         out += tokens
         delta = [tokens[-1]]
         other = others[i // chunk % len(others)]
@@ -292,7 +293,7 @@ def test_greedy_tokens_do_not_depend_on_the_other_sessions_in_the_cache():
     try:
         ids = prompt_ids(engine, "Explain in detail how a hash table handles collisions, with examples.")
         engine.prefill("a", 0, ids[:-1])
-        alone = engine.decode("a", len(ids) - 1, [ids[-1]], 40, GREEDY, 0, 0)[0]
+        alone = engine.decode(DecodeTask("a", len(ids) - 1, [ids[-1]], 40, GREEDY, 0, 0))[0]
         engine.release("a")
         assert decode_with_churn(engine, ids, 40, 4) == alone
     finally:
@@ -319,22 +320,27 @@ def test_serve_target_arguments_build_the_chosen_engine():
     import argparse
 
     from target_service.engines.torch import TargetEngine
+    from specdec.core.settings import from_args
     from target_service.engines.select import build_engine
     from target_service.server import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+
+    def settings(argv: list[str]) -> TargetSettings:
+        return from_args(TargetSettings, parser.parse_args(argv))
+
     tiny = ["--model", "tiny:vocab=64,layers=1,hidden=32", "--device", "cpu"]
-    assert isinstance(build_engine(parser.parse_args(tiny)), TargetEngine)  # the default engine
-    assert isinstance(build_engine(parser.parse_args([*tiny, "--engine", "auto"])), TargetEngine)  # not a GGUF
+    assert isinstance(build_engine(settings(tiny)), TargetEngine)  # the default engine
+    assert isinstance(build_engine(settings([*tiny, "--engine", "auto"])), TargetEngine)  # not a GGUF
     with pytest.raises(SystemExit, match="--engine llamacpp cannot serve this target: .* is not a GGUF"):
-        build_engine(parser.parse_args([*tiny, "--engine", "llamacpp"]))
+        build_engine(settings([*tiny, "--engine", "llamacpp"]))
     if MISSING:
         pytest.fail(MISSING)
     from target_service.engines.llamacpp import LlamaCppEngine
 
-    engine = build_engine(parser.parse_args(["--model", "smollm2", "--engine", "llamacpp", "--max-sessions", "3",
-                                             "--llama-context", "8192", "--llama-session-context", "1024"]))
+    engine = build_engine(settings(["--model", "smollm2", "--engine", "llamacpp", "--max-sessions", "3",
+                                    "--llama-context", "8192", "--llama-session-context", "1024"]))
     try:
         assert isinstance(engine, LlamaCppEngine)
         # a stream of 1024 cells for each of the 3 sessions and the profile
@@ -395,7 +401,7 @@ def test_specdec_run_on_the_llamacpp_engine_end_to_end(tmp_path, engine):
     ids = prompt_ids(engine, prompt)
     engine.prefill("run-reference", 0, ids)
     try:
-        reference = engine.decode("run-reference", len(ids), [], 40, GREEDY, 0, 0)[0]
+        reference = engine.decode(DecodeTask("run-reference", len(ids), [], 40, GREEDY, 0, 0))[0]
     finally:
         engine.release("run-reference")
     assert 0 < len(out["token_ids"]) and out["token_ids"] == reference[: len(out["token_ids"])]
@@ -459,7 +465,7 @@ def test_a_new_session_never_evicts_one_in_the_same_batch():
     try:
         ids = prompt_ids(small, PROMPTS[0])
         small.prefill("ref", 0, ids)
-        ref = small.decode("ref", len(ids), [], 2, GREEDY, 0, 0)[0]
+        ref = small.decode(DecodeTask("ref", len(ids), [], 2, GREEDY, 0, 0))[0]
         small.release("ref")
         jobs = [VerifyJob(f"new{i}", 0, ids, ref[:1], None, GREEDY, 0, 0) for i in range(3)]
         small.verify_many(jobs)
@@ -537,7 +543,7 @@ def test_a_decode_call_runs_on_the_compute_thread_and_greedy_as_the_argmax_of_ea
     engine.prefill("argmax", 0, ids[:-1])
     engine._on_compute, engine._decode = counting_call, recording_decode
     try:
-        tokens, cached, _ = engine.decode("argmax", len(ids) - 1, ids[-1:], n, GREEDY, 0, 0)
+        tokens, cached, _ = engine.decode(DecodeTask("argmax", len(ids) - 1, ids[-1:], n, GREEDY, 0, 0))
     finally:
         del engine._on_compute, engine._decode
         engine.release("argmax")
@@ -551,9 +557,9 @@ def test_a_stream_keeps_its_sequence_while_another_session_wants_one():
     e = make_engine(max_sessions=1)
     try:
         ids = prompt_ids(e, PROMPTS[0])
-        ref = e.decode("ref", 0, ids, 12, GREEDY, 0, 0)[0]
+        ref = e.decode(DecodeTask("ref", 0, ids, 12, GREEDY, 0, 0))[0]
         assert e.release("ref")
-        stream = e.decode_stream("a", 0, ids, 12, GREEDY, 0, 0)
+        stream = e.decode_stream(DecodeTask("a", 0, ids, 12, GREEDY, 0, 0))
         tokens = list(stream.take(2, 60).tokens)
         with pytest.raises(MemoryError, match="work in flight"):
             e.prefill("intruder", 0, ids[:5])

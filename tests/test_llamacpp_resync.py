@@ -18,6 +18,8 @@ from specdec.core.kv_cache import CacheMiss
 from specdec.core.sampling import SamplingParams
 from specdec.models import smollm2_gguf_path
 from tests.test_llamacpp_engine import MISSING, prompt_ids
+from target_service.engines.jobs import VerifyTask
+from target_service.settings import TargetSettings
 
 pytestmark = pytest.mark.smollm2
 
@@ -35,7 +37,8 @@ def make_engine(**kw):
     from target_service.engines.llamacpp import LlamaCppEngine
 
     # one session's stream: any other session evicts it
-    return LlamaCppEngine(smollm2_gguf_path(), "smollm2", threads=1, max_sessions=1, session_tokens=512, **kw)
+    return LlamaCppEngine(smollm2_gguf_path(), TargetSettings(model="smollm2", max_sessions=1,
+                                                              llama_session_context=512, **kw))
 
 
 class Spy:
@@ -60,9 +63,9 @@ def step(engine, session: str, committed: list[int], pos: int) -> tuple[int, boo
     """One target-only step as the orchestrator's Verify of an empty block: send committed[pos:], and after a
     cache miss the whole context from 0. The next token and whether it resynced."""
     try:
-        return engine.verify(session, pos, committed[pos:], [], None, GREEDY, 0, 0).next_token, False
+        return engine.verify(VerifyTask(session, pos, committed[pos:], [], None, GREEDY, 0, 0)).next_token, False
     except CacheMiss:
-        return engine.verify(session, 0, committed, [], None, GREEDY, 0, 0).next_token, True
+        return engine.verify(VerifyTask(session, 0, committed, [], None, GREEDY, 0, 0)).next_token, True
 
 
 def generate(engines, prompt: list[int], new_tokens: int, evict_at=(), move_at=None):

@@ -92,9 +92,9 @@ def test_dry_n_gram_steps_decode_more_tokens_per_call(redis_url, monkeypatch):
     asked = []
     decode = TargetClient.decode
 
-    def counting(self, session_id, committed, pos, max_tokens, *a, **kw):
-        asked.append(max_tokens)
-        return decode(self, session_id, committed, pos, max_tokens, *a, **kw)
+    def counting(self, call, *a, **kw):
+        asked.append(call.max_tokens)
+        return decode(self, call, *a, **kw)
 
     s = start_stack(redis_url, draft="local:ngram")
     try:

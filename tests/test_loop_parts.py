@@ -78,7 +78,7 @@ def test_the_chain_the_prefetch_and_the_tree_use_the_one_check(monkeypatch):
                                   tree_parents=None)
     tree_reply = types.SimpleNamespace(**{**vars(reply), "tree_parents": [-1]})
     replica = types.SimpleNamespace(address="d", info=None, client=types.SimpleNamespace(
-        propose=lambda *a, **k: tree_reply if "tree" in k else reply))
+        propose=lambda call, timeout: tree_reply if call.tree else reply))
     assert draft.propose(replica, 2) == (None, True)
     tree = dict(tree_budget=4, tree_branch=0, tree_branch_below=0.0, tree_max_depth=3)
     assert draft.propose_tree(replica, tree, 2, 3) == (None, True)

@@ -265,39 +265,10 @@ MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one eac
 # Functions not split yet, each with why. The goal is an empty list: split a function, then strike its line here
 # (the test fails on a line that no longer applies, so the list only shrinks).
 TOO_LONG_YET = {
-    "bench/measure.py:measure_overheads": "not split yet",
-    "offline/distill/train.py:train_student": "one training loop; not split in time",
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "specdec/models/loading.py:load_model": "not split in time",
-    "target_service/engines/llamacpp.py:LlamaCppEngine.__init__": "not split yet (its settings object is the split)",
 }
 TOO_MANY_PARAMETERS_YET = {
-    "orchestrator/replicas/clients.py:TargetClient.decode_stream": "not split yet (streamed Decode); "
-                                                                   "the Decode request's fields",
-    "target_service/engines/llama_steps.py:DecodeWork.__init__": "not split yet (streamed Decode)",
-    "target_service/engines/torch.py:TargetEngine.decode": "TargetBackend.decode's fields",
-    "target_service/streaming.py:start_decode_stream": "not split yet (streamed Decode)",
-    "offline/distill/teacher.py:teacher_generations": "not split in time",
-    "offline/distill/teacher.py:teacher_text_data": "not split in time",
-    "offline/distill/pipeline.py:run_distillation": "not split in time",
-    "offline/distill/train.py:_student_loss": "not split in time",
-    "offline/distill/train.py:_pretrain_hidden": "not split in time",
-    "offline/datastore_build.py:build_from_teacher_data": "not split in time",
-    "target_service/engines/llamacpp.py:LlamaCppEngine.__init__": "not split yet (its settings object is the split)",
-    "target_service/engines/llamacpp.py:LlamaCppEngine.verify": "TargetBackend.verify's signature (a VerifyJob-like "
-                                                                "request object is the split)",
-    "target_service/engines/torch.py:TargetEngine.verify": "TargetBackend.verify's signature",
-    "target_service/engines/base.py:TargetBackend.verify": "the engine interface's verify: one argument per wire field",
-    "target_service/engines/batching.py:decode_as_verify_steps": "the decode call's fields, passed through",
     "draft_service/build.py:build_proposer": "the draft's settings fields (DraftSettings whole is the split)",
     "draft_service/proposers/model.py:ModelProposer.get_candidates": "the Propose request's fields",
-    "orchestrator/replicas/clients.py:TargetClient.verify": "the Verify request's fields (a typed request is the split)",
-    "orchestrator/replicas/clients.py:TargetClient.decode": "the Decode request's fields",
-    "orchestrator/replicas/clients.py:DraftClient.propose": "the Propose request's fields",
-    "orchestrator/replicas/pool.py:ReplicaPool.__init__": "health and breaker timings (a settings object is the split)",
-    "orchestrator/replicas/draft_pool.py:DraftPool.__init__": "ReplicaPool's",
-    "orchestrator/replicas/target_pool.py:TargetPool.__init__": "ReplicaPool's",
-    "bench/configs.py:build_configs.sd": "not split yet",
 }
 
 

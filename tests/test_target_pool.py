@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from orchestrator.replicas.pool import OPEN, rank
+from orchestrator.replicas.pool import OPEN, PoolSettings, rank
 from orchestrator.replicas.target_pool import (LOAD_SLACK, IncompatibleTargets, TargetPool, merge_infos, model_mismatch)
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2
@@ -21,8 +21,8 @@ TINY = "tiny:vocab=64,layers=2,hidden=64,seed=0,std=0.3"
 ADDRESSES = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]  # nothing listens: placement needs no calls
 
 
-def quiet_pool(addresses=ADDRESSES, **kwargs) -> TargetPool:
-    return TargetPool(list(addresses), health_interval_s=3600, resolve_interval_s=3600, **kwargs)
+def quiet_pool(addresses=ADDRESSES, **timings) -> TargetPool:
+    return TargetPool(list(addresses), PoolSettings(health_interval_s=3600, resolve_interval_s=3600, **timings))
 
 
 def test_a_session_goes_to_its_rendezvous_replica_and_comes_back_to_it():
@@ -221,7 +221,7 @@ def test_targets_found_by_dns_join_and_leave_and_a_session_on_one_that_left_move
     b = build_target_server(engines[1], f"127.0.0.2:{port}").start()  # the same port on another address, as pods
     addr_a, addr_b = f"127.0.0.1:{port}", f"127.0.0.2:{port}"
     dns = FakeDns(addr_a)
-    pool = TargetPool([f"dns:///target.test:{port}"], resolve=dns, resolve_interval_s=0.1)
+    pool = TargetPool([f"dns:///target.test:{port}"], PoolSettings(resolve_interval_s=0.1), resolve=dns)
     servicer = server = client = None
     try:
         target_info = pool.connect(20)

@@ -42,8 +42,8 @@ Pipeline (see docs/distill.md for the design and measured numbers):
    ``--out``), atomically (temp dir, then rename).
 
 The pipeline itself (:func:`run_distillation`) takes the teacher model,
-tokenizer, texts and prompts as parameters, so tests can run it on a tiny
-random teacher.
+tokenizer, texts and prompts (``DistillSources``) as parameters, so tests can
+run it on a tiny random teacher.
 
 Modules: ``config``, ``corpus`` (step 1's text and prompts), ``teacher`` (step 1's teacher data),
 ``student`` (step 2, and step 5's atomic save), ``train`` (step 3), ``evaluate`` (step 4) and ``pipeline``
@@ -55,16 +55,17 @@ from __future__ import annotations
 from offline.distill.config import QUICK_OVERRIDES, REPORT_NAME, TEACHER_CACHE_FORMAT, DistillConfig
 from offline.distill.corpus import OfflineCorpus, build_prompts, collect_offline_text, default_text_roots
 from offline.distill.evaluate import acceptance_metrics, decode_latency_ms, expected_speedup, greedy_matches
-from offline.distill.pipeline import _parser, main, prompt_counts, prompt_sets, run_distillation
+from offline.distill.pipeline import (DistillRun, DistillSources, _parser, main, prompt_counts, prompt_sets,
+                                      run_distillation)
 from offline.distill.student import (HiddenBasis, build_student, hidden_pca, save_atomically, svd_embedding,
                                      truncated_target)
-from offline.distill.teacher import (TeacherData, build_teacher_data, encode_prompt, teacher_cache_path,
-                                     teacher_generations, teacher_text_data)
+from offline.distill.teacher import (GenerationPass, TeacherData, TextPass, build_teacher_data, encode_prompt,
+                                     teacher_cache_path, teacher_generations, teacher_text_data)
 from offline.distill.train import make_batches, mean_kl, topk_kl, train_student
 
 __all__ = [
-    "DistillConfig", "HiddenBasis", "OfflineCorpus", "QUICK_OVERRIDES", "REPORT_NAME", "TEACHER_CACHE_FORMAT",
-    "TeacherData", "acceptance_metrics", "build_prompts", "build_student", "build_teacher_data",
+    "DistillConfig", "DistillRun", "DistillSources", "GenerationPass", "HiddenBasis", "OfflineCorpus", "QUICK_OVERRIDES", "REPORT_NAME", "TEACHER_CACHE_FORMAT",
+    "TeacherData", "TextPass", "acceptance_metrics", "build_prompts", "build_student", "build_teacher_data",
     "collect_offline_text", "decode_latency_ms", "default_text_roots", "encode_prompt", "expected_speedup",
     "greedy_matches", "hidden_pca", "main", "make_batches", "mean_kl", "prompt_counts", "prompt_sets",
     "run_distillation", "save_atomically", "svd_embedding", "teacher_cache_path", "teacher_generations",

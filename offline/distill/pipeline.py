@@ -96,23 +96,42 @@ def _early_exit(teacher, layers: int, held, pad_id: int, cfg: DistillConfig, lat
     return r
 
 
-def run_distillation(teacher: Any, tokenizer: Any, *, texts: Sequence[str], prompts: Sequence[str],
-                     heldout_prompts: Sequence[str], cfg: DistillConfig, out_dir: pathlib.Path | str | None,
-                     teacher_cache: pathlib.Path | None = None, early_exit: Sequence[int] = (), latency: bool = True,
-                     extra_report: dict[str, Any] | None = None,
-                     started_at: float | None = None) -> tuple[Any, dict[str, Any]]:
-    """Distil a student from ``teacher``; returns (student float32, report).  Saves to ``out_dir`` if given.
+@dataclasses.dataclass(frozen=True)
+class DistillSources:
+    """What the teacher data is made from: offline texts, the training prompts and the held-out prompts."""
 
-    ``started_at`` (``time.monotonic()``) is when the whole run began, for
-    ``cfg.total_budget_s`` (default: now).
-    """
+    texts: Sequence[str]
+    prompts: Sequence[str]
+    heldout_prompts: Sequence[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillRun:
+    """Where the student goes and what else the run measures: ``out_dir`` (None: not saved), the teacher-data
+    cache file, the target's first N layers to evaluate as drafts (``early_exit``), the decode latency, fields
+    added to the report, and ``started_at`` (``time.monotonic()``) when the whole run began, for
+    ``cfg.total_budget_s`` (None: now)."""
+
+    out_dir: pathlib.Path | str | None = None
+    teacher_cache: pathlib.Path | None = None
+    early_exit: Sequence[int] = ()
+    latency: bool = True
+    extra_report: dict[str, Any] | None = None
+    started_at: float | None = None
+
+
+def run_distillation(teacher: Any, tokenizer: Any, sources: DistillSources, cfg: DistillConfig,
+                     run: DistillRun = DistillRun()) -> tuple[Any, dict[str, Any]]:
+    """Distil a student from ``teacher``; returns (student float32, report).  Saves to ``run.out_dir`` if given."""
+    texts, prompts, heldout_prompts = sources.texts, sources.prompts, sources.heldout_prompts
+    early_exit, latency = run.early_exit, run.latency
     t_start = time.monotonic()
-    started_at = t_start if started_at is None else started_at
+    started_at = t_start if run.started_at is None else run.started_at
     teacher.eval()
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (_eos_ids(teacher, tokenizer) or [0])[0]
-    train, held, timings = build_teacher_data(teacher, tokenizer, cfg, texts, prompts, heldout_prompts, teacher_cache,
-                                              started_at=started_at)
+    train, held, timings = build_teacher_data(teacher, tokenizer, cfg, texts, prompts, heldout_prompts,
+                                              run.teacher_cache, started_at=started_at)
     basis = hidden_pca(train, cfg.hidden) if cfg.init == "hidden-pca" or cfg.mse_weight > 0 else None
     student = build_student(teacher, cfg, basis)
     n_params = sum(p.numel() for p in student.parameters())
@@ -162,12 +181,12 @@ def run_distillation(teacher: Any, tokenizer: Any, *, texts: Sequence[str], prom
         if ee:
             report["early_exit"] = ee
         timings["latency_and_alternatives_s"] = time.monotonic() - t
-    if extra_report:
-        report.update(extra_report)
+    if run.extra_report:
+        report.update(run.extra_report)
     timings["total_s"] = time.monotonic() - t_start
     report["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
-    if out_dir is not None:
-        report["model_size_bytes"] = save_atomically(student, tokenizer, pathlib.Path(out_dir), save_dt, report)
+    if run.out_dir is not None:
+        report["model_size_bytes"] = save_atomically(student, tokenizer, pathlib.Path(run.out_dir), save_dt, report)
     return student, report
 
 
@@ -278,15 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     t_corpus = time.monotonic() - t
     cache = None if args.no_teacher_cache else teacher_cache_path(teacher, tok, cfg, corpus, prompts, heldout)
     early = [int(x) for x in args.early_exit.split(",") if x.strip()]
-    _, report = run_distillation(
-        teacher, tok, texts=corpus.texts, prompts=prompts, heldout_prompts=heldout, cfg=cfg, out_dir=out,
-        teacher_cache=cache, early_exit=early, latency=not args.no_latency,
+    _, report = run_distillation(teacher, tok, DistillSources(corpus.texts, prompts, heldout), cfg, DistillRun(
+        out_dir=out, teacher_cache=cache, early_exit=early, latency=not args.no_latency,
         extra_report={"target_model": args.target_model, "threads": args.threads,
                       "load_target_s": round(t_load, 2), "corpus_s": round(t_corpus, 2),
                       "heldout_prompt_examples": heldout[:4], "teacher_cache": str(cache) if cache else None,
                       "wall_s_before_pipeline": round(time.monotonic() - t0, 2)},
-        started_at=t0,
-    )
+        started_at=t0))
     report["wall_s"] = round(time.monotonic() - t0, 2)
     tmp = out / f".{REPORT_NAME}.tmp-{os.getpid()}"
     with open(tmp, "w") as fh:  # add the final wall time

@@ -129,28 +129,41 @@ class _FinalHidden:
             self._handle.remove()
 
 
+@dataclass(frozen=True)
+class TextPass:
+    """The teacher over offline text: up to ``max_tokens`` tokens cut into windows of ``seq_len``, ``batch``
+    windows a forward, the top ``k`` of each distribution kept. No batch starts after ``deadline``
+    (``time.monotonic()``)."""
+
+    max_tokens: int
+    seq_len: int
+    batch: int
+    k: int
+    progress: bool = True
+    deadline: float | None = None
+
+
 @torch.no_grad()
-def teacher_text_data(
-    teacher: Any, tokenizer: Any, texts: Sequence[str], max_tokens: int, seq_len: int, batch: int, k: int,
-    progress: bool = True, deadline: float | None = None,
-) -> TeacherData:
+def teacher_text_data(teacher: Any, tokenizer: Any, texts: Sequence[str], spec: TextPass) -> TeacherData:
     """Teacher distributions on fixed-length windows cut from the concatenated texts.
 
-    Stops (``data.truncated``) before a batch that would start after ``deadline`` (``time.monotonic()``).
+    Stops (``data.truncated``) before a batch that would start after ``spec.deadline``.
     """
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream: list[int] = []
     for t in texts:
         stream.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
         stream.append(eos)
-        if len(stream) >= max_tokens:
+        if len(stream) >= spec.max_tokens:
             break
-    n_win = min(len(stream), max_tokens) // seq_len
+    seq_len, batch = spec.seq_len, spec.batch
+    n_win = min(len(stream), spec.max_tokens) // seq_len
     windows = [torch.tensor(stream[i * seq_len:(i + 1) * seq_len]) for i in range(n_win)]
     data = TeacherData()
     dev = next(teacher.parameters()).device
-    for i in _tqdm(range(0, len(windows), batch), desc="teacher: offline text", unit="batch", disable=not progress):
-        if deadline is not None and time.monotonic() > deadline:
+    for i in _tqdm(range(0, len(windows), batch), desc="teacher: offline text", unit="batch",
+                   disable=not spec.progress):
+        if spec.deadline is not None and time.monotonic() > spec.deadline:
             logger.warning("time budget: offline text cut short after %d of %d windows", i, len(windows))
             data.truncated = True
             break
@@ -159,26 +172,42 @@ def teacher_text_data(
             logits = teacher(input_ids=x).logits
         hid = cap.outputs[-1] if cap.outputs else None
         for b in range(x.shape[0]):
-            data.add(x[b].cpu(), 0, logits[b, :-1], k, "text", None if hid is None else hid[b, :-1])
+            data.add(x[b].cpu(), 0, logits[b, :-1], spec.k, "text", None if hid is None else hid[b, :-1])
     return data
 
 
+@dataclass(frozen=True)
+class GenerationPass:
+    """How the teacher continues a prompt set: ``max_new`` tokens, ``batch`` prompts a call, the top ``k`` of each
+    distribution kept; greedy, or sampled (``temperature``, ``top_p``, seeded from ``seed``) where
+    ``sample_mask`` says so. ``kind`` labels the sequences; no batch starts after ``deadline``
+    (``time.monotonic()``); ``prompt_positions`` also keeps the prompt positions' distributions."""
+
+    max_new: int
+    batch: int
+    k: int
+    sample_mask: Sequence[bool] | None = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    kind: str = "gen"
+    progress: bool = True
+    desc: str = "teacher: generations"
+    deadline: float | None = None
+    prompt_positions: bool = False
+
+
 @torch.no_grad()
-def teacher_generations(
-    teacher: Any, tokenizer: Any, prompts: Sequence[str], max_new: int, batch: int, k: int, *,
-    sample_mask: Sequence[bool] | None = None, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-    kind: str = "gen", progress: bool = True, desc: str = "teacher: generations", deadline: float | None = None,
-    prompt_positions: bool = False,
-) -> TeacherData:
-    """Continue each chat-templated prompt with the teacher (greedy, or sampled where ``sample_mask``).
+def teacher_generations(teacher: Any, tokenizer: Any, prompts: Sequence[str], spec: GenerationPass) -> TeacherData:
+    """Continue each chat-templated prompt with the teacher (greedy, or sampled where ``spec.sample_mask``).
 
     Records the teacher's raw (temperature-1) logits at every generated
     position.  Prompts are batched (left padding) in order of length; sampled
-    batches are seeded from ``seed`` and the batch index, so the result is
+    batches are seeded from ``spec.seed`` and the batch index, so the result is
     reproducible.  Batches run in a seeded shuffled order; none starts after
-    ``deadline`` (``time.monotonic()``; then ``data.truncated`` is set).
+    ``spec.deadline`` (then ``data.truncated`` is set).
 
-    With ``prompt_positions`` the teacher distributions at the prompt
+    With ``spec.prompt_positions`` the teacher distributions at the prompt
     positions (computed anyway during prefill; only the part after the prefix
     common to all prompts, i.e. after the shared system prompt) are added as
     extra ``"prompt"`` sequences.
@@ -186,77 +215,113 @@ def teacher_generations(
     eos = _eos_ids(teacher, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     enc = [encode_prompt(tokenizer, p) for p in prompts]
-    sample_mask = list(sample_mask) if sample_mask is not None else [False] * len(prompts)
+    sample_mask = list(spec.sample_mask) if spec.sample_mask is not None else [False] * len(prompts)
+    common = _common_prefix(enc) if spec.prompt_positions else 0
+    groups = _batch_groups(enc, sample_mask, spec.batch, spec.seed)
     data = TeacherData()
-    dev = next(teacher.parameters()).device
-    groups = []
-    for mode in (False, True):
-        order = sorted((i for i in range(len(enc)) if sample_mask[i] == mode), key=lambda i: (len(enc[i]), i))
-        if order:  # equal-sized batches (no small leftover batch)
-            n_b = -(-len(order) // batch)
-            size = -(-len(order) // n_b)
-            groups += [(mode, order[j:j + size]) for j in range(0, len(order), size)]
+    results: dict[int, TeacherData] = {}
+    for done, (gi, do_sample, idxs) in enumerate(_tqdm(groups, desc=spec.desc, unit="batch",
+                                                       disable=not spec.progress)):
+        if spec.deadline is not None and time.monotonic() > spec.deadline:
+            logger.warning("time budget: generations cut short after %d of %d batches", done, len(groups))
+            data.truncated = True
+            break
+        batch = _PromptBatch(teacher, enc, idxs, pad, eos)
+        batch.generate(spec, gi, do_sample)
+        for r, i in enumerate(idxs):
+            results[i] = batch.record(r, common, spec.k, spec.kind + ("-sampled" if do_sample else ""))
+        del batch  # its logits (batch x steps x vocabulary) before the next batch's
+    for i in sorted(results):  # original prompt order
+        data.extend(results[i])
+    return data
+
+
+def _common_prefix(enc: list[list[int]]) -> int:
+    """The length of the prefix every prompt shares (the system prompt); 0 for a single prompt."""
     common = 0
-    if prompt_positions and enc:
+    if enc:
         shortest = min(len(e) for e in enc)
         while common < shortest and all(e[common] == enc[0][common] for e in enc):
             common += 1
         if len(enc) == 1:
             common = 0
-    head = teacher.get_output_embeddings()
-    results: dict[int, TeacherData] = {}
-    groups = [(gi, mode, idxs) for gi, (mode, idxs) in enumerate(groups)]
-    random.Random(f"batches-{seed}").shuffle(groups)
-    for done, (gi, do_sample, idxs) in enumerate(_tqdm(groups, desc=desc, unit="batch", disable=not progress)):
-        if deadline is not None and time.monotonic() > deadline:
-            logger.warning("time budget: generations cut short after %d of %d batches", done, len(groups))
-            data.truncated = True
-            break
-        L = max(len(enc[i]) for i in idxs)
-        ids = torch.full((len(idxs), L), pad, dtype=torch.long)
-        att = torch.zeros((len(idxs), L), dtype=torch.long)
-        for r, i in enumerate(idxs):
-            ids[r, L - len(enc[i]):] = torch.tensor(enc[i])
-            att[r, L - len(enc[i]):] = 1
+    return common
+
+
+def _batch_groups(enc: list[list[int]], sample_mask: list[bool], batch: int,
+                  seed: int) -> list[tuple[int, bool, list[int]]]:
+    """(group index, sampled, prompt indices): greedy and sampled prompts apart, in order of length, in
+    equal-sized batches (no small leftover batch), the batches in a seeded shuffled order."""
+    groups = []
+    for mode in (False, True):
+        order = sorted((i for i in range(len(enc)) if sample_mask[i] == mode), key=lambda i: (len(enc[i]), i))
+        if order:
+            n_b = -(-len(order) // batch)
+            size = -(-len(order) // n_b)
+            groups += [(mode, order[j:j + size]) for j in range(0, len(order), size)]
+    indexed = [(gi, mode, idxs) for gi, (mode, idxs) in enumerate(groups)]
+    random.Random(f"batches-{seed}").shuffle(indexed)
+    return indexed
+
+
+class _PromptBatch:
+    """One left-padded batch of prompts, continued by the teacher; then each row's teacher data."""
+
+    def __init__(self, teacher: Any, enc: list[list[int]], idxs: list[int], pad: int, eos: list[int]):
+        self.teacher, self.eos, self.pad = teacher, eos, pad
+        self.prompts = [enc[i] for i in idxs]
+        self.width = L = max(len(e) for e in self.prompts)
+        self.ids = torch.full((len(idxs), L), pad, dtype=torch.long)
+        self.att = torch.zeros((len(idxs), L), dtype=torch.long)
+        for r, e in enumerate(self.prompts):
+            self.ids[r, L - len(e):] = torch.tensor(e)
+            self.att[r, L - len(e):] = 1
+
+    def generate(self, spec: GenerationPass, gi: int, do_sample: bool) -> None:
+        """Continue the batch; keep the generated ids, each step's logits and the final hidden states."""
+        teacher = self.teacher
+        dev = next(teacher.parameters()).device
         kwargs: dict[str, Any] = dict(do_sample=False)
         if do_sample:
-            torch.manual_seed(seed * 100003 + gi)
-            kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            torch.manual_seed(spec.seed * 100003 + gi)
+            kwargs = dict(do_sample=True, temperature=spec.temperature, top_p=spec.top_p, top_k=0)
         with _FinalHidden(teacher, last_only=False) as cap:
             out = teacher.generate(
-                input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new, eos_token_id=eos,
-                pad_token_id=pad, output_logits=True, return_dict_in_generate=True, **kwargs,
+                input_ids=self.ids.to(dev), attention_mask=self.att.to(dev), max_new_tokens=spec.max_new,
+                eos_token_id=self.eos, pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True,
+                **kwargs,
             )
-        gen = out.sequences[:, L:].cpu()
-        steps = out.logits  # tuple of (B, V) raw logits, one per generated token
+        self.gen = out.sequences[:, self.width:].cpu()
+        self.steps = out.logits  # tuple of (B, V) raw logits, one per generated token
         del out
-        n_steps = len(steps)
-        hid = (torch.stack([o[:, -1] for o in cap.outputs[:n_steps]], dim=1)
-               if len(cap.outputs) >= n_steps and n_steps else None)
-        prefill = cap.outputs[0] if cap.outputs and prompt_positions else None  # (B, L, H)
-        for r, i in enumerate(idxs):
-            item = results[i] = TeacherData()
-            if prefill is not None and head is not None and len(enc[i]) - 1 > common:
-                lo = L - len(enc[i]) + common
-                ph = prefill[r, lo:L - 1]  # positions common .. len-2 predict prompt tokens common+1 ..
-                item.add(torch.tensor(enc[i]), common, head(ph.to(dev, head.weight.dtype)).float().cpu(), k,
-                         "prompt", ph)
-            row = gen[r]
-            n = row.shape[0]
-            for j in range(n):
-                if int(row[j]) in eos:
-                    n = j + 1
-                    break
-            if n == 0:
-                continue
-            seq = torch.cat([torch.tensor(enc[i]), row[:n]])
-            lg = torch.stack([steps[j][r] for j in range(n)]).cpu()
-            item.add(seq, len(enc[i]) - 1, lg, k, kind + ("-sampled" if do_sample else ""),
-                     None if hid is None else hid[r, :n])
-        del steps, prefill, hid, cap
-    for i in sorted(results):  # original prompt order
-        data.extend(results[i])
-    return data
+        n_steps = len(self.steps)
+        self.hid = (torch.stack([o[:, -1] for o in cap.outputs[:n_steps]], dim=1)
+                    if len(cap.outputs) >= n_steps and n_steps else None)
+        self.prefill = cap.outputs[0] if cap.outputs and spec.prompt_positions else None  # (B, L, H)
+
+    def record(self, r: int, common: int, k: int, kind: str) -> TeacherData:
+        """Row r's teacher data: its prompt positions after `common` (where kept), then its reply up to EOS."""
+        item = TeacherData()
+        prompt, L = self.prompts[r], self.width
+        head = self.teacher.get_output_embeddings()
+        if self.prefill is not None and head is not None and len(prompt) - 1 > common:
+            dev = next(self.teacher.parameters()).device
+            lo = L - len(prompt) + common
+            ph = self.prefill[r, lo:L - 1]  # positions common .. len-2 predict prompt tokens common+1 ..
+            item.add(torch.tensor(prompt), common, head(ph.to(dev, head.weight.dtype)).float().cpu(), k,
+                     "prompt", ph)
+        row = self.gen[r]
+        n = row.shape[0]
+        for j in range(n):
+            if int(row[j]) in self.eos:
+                n = j + 1
+                break
+        if n == 0:
+            return item
+        seq = torch.cat([torch.tensor(prompt), row[:n]])
+        lg = torch.stack([self.steps[j][r] for j in range(n)]).cpu()
+        item.add(seq, len(prompt) - 1, lg, k, kind, None if self.hid is None else self.hid[r, :n])
+        return item
 
 
 def _output_embedding(model: Any) -> torch.Tensor:
@@ -307,23 +372,22 @@ def build_teacher_data(
     n_sample = int(round(cfg.sample_fraction * len(prompts)))
     sampled = set(rng.sample(range(len(prompts)), n_sample)) if n_sample else set()
     t = time.monotonic()
-    train = teacher_generations(
-        teacher, tokenizer, prompts, cfg.gen_max_new, cfg.gen_batch, cfg.topk,
-        sample_mask=[i in sampled for i in range(len(prompts))], temperature=cfg.sample_temperature,
-        top_p=cfg.sample_top_p, seed=cfg.seed, kind="gen", progress=cfg.progress,
-        desc="teacher: generations (train prompts)", deadline=gen_deadline, prompt_positions=cfg.prompt_positions,
-    )
+    train = teacher_generations(teacher, tokenizer, prompts, GenerationPass(
+        cfg.gen_max_new, cfg.gen_batch, cfg.topk, sample_mask=[i in sampled for i in range(len(prompts))],
+        temperature=cfg.sample_temperature, top_p=cfg.sample_top_p, seed=cfg.seed, kind="gen",
+        progress=cfg.progress, desc="teacher: generations (train prompts)", deadline=gen_deadline,
+        prompt_positions=cfg.prompt_positions))
     timings["teacher_generations_s"] = time.monotonic() - t
     t = time.monotonic()
     if texts and cfg.text_tokens > 0:
-        train.extend(teacher_text_data(teacher, tokenizer, texts, cfg.text_tokens, cfg.text_seq_len, cfg.text_batch,
-                                       cfg.topk, progress=cfg.progress, deadline=text_deadline))
+        train.extend(teacher_text_data(teacher, tokenizer, texts, TextPass(
+            cfg.text_tokens, cfg.text_seq_len, cfg.text_batch, cfg.topk, progress=cfg.progress,
+            deadline=text_deadline)))
     timings["teacher_text_s"] = time.monotonic() - t
     t = time.monotonic()
-    held = teacher_generations(
-        teacher, tokenizer, heldout_prompts, cfg.gen_max_new, cfg.gen_batch, cfg.topk, kind="heldout",
-        progress=cfg.progress, desc="teacher: generations (held-out prompts)",
-    )
+    held = teacher_generations(teacher, tokenizer, heldout_prompts, GenerationPass(
+        cfg.gen_max_new, cfg.gen_batch, cfg.topk, kind="heldout", progress=cfg.progress,
+        desc="teacher: generations (held-out prompts)"))
     timings["teacher_heldout_s"] = time.monotonic() - t
     if train.truncated:
         timings["teacher_data_truncated_by_budget"] = 1.0

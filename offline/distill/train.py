@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -36,8 +37,29 @@ def topk_kl(student_logits: torch.Tensor, idx: torch.Tensor, logp: torch.Tensor)
     return kl
 
 
-def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int, z: Sequence[torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+class LossBatch(NamedTuple):
+    """A padded training batch: right-padded ids and mask, the flat (row * L + pos) loss positions, their
+    teacher top-k ids and log-probs, and (with hidden targets) the teacher's hidden states there."""
+
+    ids: torch.Tensor
+    att: torch.Tensor
+    flat_pos: torch.Tensor
+    tidx: torch.Tensor
+    tlogp: torch.Tensor
+    zt: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HiddenTargets:
+    """The teacher's final hidden states in the student's PCA coordinates (one tensor per sequence) and their mean
+    second moment, which normalises the MSE."""
+
+    z: list[torch.Tensor]
+    scale: float
+
+
+def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int,
+               z: Sequence[torch.Tensor] | None = None) -> LossBatch:
     """Right-padded ids/mask, flat (row * L + pos) loss positions, their top-k targets and hidden targets."""
     L = max(int(data.seqs[i].shape[0]) for i in items)
     ids = torch.full((len(items), L), pad_id, dtype=torch.long)
@@ -53,7 +75,7 @@ def _pad_batch(data: TeacherData, items: Sequence[int], pad_id: int, z: Sequence
         tidx.append(data.topk_idx[i])
         tlogp.append(data.topk_logp[i])
     zt = torch.cat([z[i] for i in items]) if z is not None else None
-    return ids, att, torch.cat(rows) * L + torch.cat(poss), torch.cat(tidx), torch.cat(tlogp), zt
+    return LossBatch(ids, att, torch.cat(rows) * L + torch.cat(poss), torch.cat(tidx), torch.cat(tlogp), zt)
 
 
 def length_sorted_batches(data: TeacherData, batch_tokens: int) -> list[list[int]]:
@@ -92,10 +114,9 @@ def make_batches(data: TeacherData, batch_tokens: int, gen: torch.Generator) -> 
     return [batches[j] for j in perm]
 
 
-def _student_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, flat_pos: torch.Tensor, tidx: torch.Tensor,
-                  tlogp: torch.Tensor, neg_samples: int = 0, gen: torch.Generator | None = None,
+def _student_loss(model: Any, batch: LossBatch, neg_samples: int = 0, gen: torch.Generator | None = None,
                   autocast: bool = False, return_hidden: bool = False) -> Any:
-    """Per-position (top-k + tail) KL of the student at the loss positions.
+    """Per-position (top-k + tail) KL of the student at the batch's loss positions.
 
     With ``neg_samples > 0`` the softmax is *sampled*: logits are computed only
     for the ids in the batch's teacher top-k lists plus ``neg_samples`` ids
@@ -103,9 +124,10 @@ def _student_loss(model: Any, ids: torch.Tensor, att: torch.Tensor, flat_pos: to
     to estimate the full partition function (about 4x cheaper than the full
     49152-way softmax, which dominates the cost of training a small draft).
     """
+    tidx, tlogp = batch.tidx, batch.tlogp
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state
-        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)
+        hidden = model.model(input_ids=batch.ids, attention_mask=batch.att).last_hidden_state
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.flat_pos)
         if neg_samples <= 0:
             logits = model.lm_head(h)  # only at loss positions
             kl = topk_kl(logits, tidx, tlogp)
@@ -137,16 +159,15 @@ def mean_kl(model: Any, data: TeacherData, pad_id: int, batch_tokens: int = 4096
     model.eval()
     total, n = 0.0, 0
     for b in length_sorted_batches(data, batch_tokens):
-        kl = _student_loss(model, *_pad_batch(data, b, pad_id)[:5])
+        kl = _student_loss(model, _pad_batch(data, b, pad_id))
         total += float(kl.sum())
         n += int(kl.numel())
     model.train(was_training)
     return total / max(n, 1)
 
 
-def _pretrain_hidden(student: Any, data: TeacherData, z: list[torch.Tensor], z_scale: float, cfg: DistillConfig,
-                     pad_id: int, gen: torch.Generator, params: list[torch.nn.Parameter],
-                     budget: float | None) -> dict[str, Any]:
+def _pretrain_hidden(student: Any, data: TeacherData, targets: HiddenTargets, cfg: DistillConfig, pad_id: int,
+                     gen: torch.Generator, params: list[torch.nn.Parameter], budget: float | None) -> dict[str, Any]:
     """Phase 1: regress the student's final normed hidden state onto the teacher's (PCA coordinates).
 
     Only the body (and final norm) trains; the tied embedding / head stays at
@@ -176,11 +197,11 @@ def _pretrain_hidden(student: Any, data: TeacherData, z: list[torch.Tensor], z_s
             scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.pre_steps - warm)))
         for g in opt.param_groups:
             g["lr"] = cfg.pre_lr * scale
-        ids, att, flat_pos, _, _, zt = _pad_batch(data, items, pad_id, z)
+        ids, att, flat_pos, _, _, zt = _pad_batch(data, items, pad_id, targets.z)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             hidden = student.model(input_ids=ids, attention_mask=att).last_hidden_state
         h = hidden.float().reshape(-1, hidden.shape[-1]).index_select(0, flat_pos)
-        loss = ((h - zt) ** 2).mean() / z_scale
+        loss = ((h - zt) ** 2).mean() / targets.scale
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -216,18 +237,14 @@ def train_student(
     vocabulary-free signal that matches what the hidden-pca head needs.
     """
     gen = torch.Generator().manual_seed(cfg.seed)
-    z = None
-    if basis is not None and cfg.mse_weight > 0 and data.has_hidden and basis.P.shape[1] >= cfg.hidden:
-        P = basis.P[:, : cfg.hidden]
-        z = [h.float() @ P for h in data.hidden]  # type: ignore[union-attr]
-        z_scale = float(basis.ev[: cfg.hidden].mean().clamp_min(1e-12))
+    targets = _hidden_targets(data, cfg, basis)
     emb = student.get_input_embeddings().weight
     other = [p for n, p in student.named_parameters() if p is not emb]
     budget = cfg.time_budget_s if time_budget_s is None else time_budget_s
     t_start = time.monotonic()
     pre: dict[str, Any] = {"pre_steps": 0}
-    if z is not None and cfg.pre_steps > 0:
-        pre = _pretrain_hidden(student, data, z, z_scale, cfg, pad_id, gen, other,
+    if targets is not None and cfg.pre_steps > 0:
+        pre = _pretrain_hidden(student, data, targets, cfg, pad_id, gen, other,
                                budget=0.55 * budget if budget else None)
         if budget:
             budget = max(1.0, budget - (time.monotonic() - t_start))
@@ -237,6 +254,31 @@ def train_student(
     else:
         emb.requires_grad_(False)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=cfg.weight_decay)
+    out = _kl_phase(student, data, targets, cfg, pad_id, gen, opt, budget)
+    return {
+        **pre,
+        "steps": out["steps"], "planned_steps": cfg.steps,
+        "stopped_by_time_budget": out["stopped_by_time_budget"] or bool(pre.get("pre_stopped_by_time_budget")),
+        "train_seconds": round(time.monotonic() - t_start, 2),
+        "first_loss": out["first_loss"],
+        "last_loss_mean10": out["last_loss_mean10"],
+        "last_mse_mean10": out["last_mse_mean10"],
+    }
+
+
+def _hidden_targets(data: TeacherData, cfg: DistillConfig, basis: HiddenBasis | None) -> HiddenTargets | None:
+    """The hidden-state MSE's targets, where there is a basis wide enough, an MSE weight and teacher hidden states."""
+    if basis is None or cfg.mse_weight <= 0 or not data.has_hidden or basis.P.shape[1] < cfg.hidden:
+        return None
+    P = basis.P[:, : cfg.hidden]
+    return HiddenTargets([h.float() @ P for h in data.hidden],  # type: ignore[union-attr]
+                         float(basis.ev[: cfg.hidden].mean().clamp_min(1e-12)))
+
+
+def _kl_phase(student: Any, data: TeacherData, targets: HiddenTargets | None, cfg: DistillConfig, pad_id: int,
+              gen: torch.Generator, opt: torch.optim.Optimizer, budget: float | None) -> dict[str, Any]:
+    """Phase 2: the KL (plus the weighted hidden MSE) for cfg.steps steps, warm-up then cosine decay, stopped by
+    `budget` seconds."""
     warm = max(1, int(cfg.warmup_frac * cfg.steps))
 
     def lr_at(step: int) -> float:
@@ -261,14 +303,13 @@ def train_student(
         scale = lr_at(step)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * g["lr_mult"] * scale
-        ids, att, flat_pos, tidx, tlogp, zt = _pad_batch(data, items, pad_id, z)
+        batch = _pad_batch(data, items, pad_id, targets.z if targets is not None else None)
         if cfg.train_topk:
-            tidx, tlogp = tidx[:, : cfg.train_topk], tlogp[:, : cfg.train_topk]
-        kl, h = _student_loss(student, ids, att, flat_pos, tidx, tlogp, cfg.neg_samples, gen, cfg.autocast_bf16,
-                              return_hidden=True)
+            batch = batch._replace(tidx=batch.tidx[:, : cfg.train_topk], tlogp=batch.tlogp[:, : cfg.train_topk])
+        kl, h = _student_loss(student, batch, cfg.neg_samples, gen, cfg.autocast_bf16, return_hidden=True)
         loss = kl.mean()
-        if zt is not None:
-            mse = ((h - zt) ** 2).mean() / z_scale
+        if batch.zt is not None:
+            mse = ((h - batch.zt) ** 2).mean() / targets.scale
             loss = loss + cfg.mse_weight * mse
             mse_hist.append(mse.item())
         opt.zero_grad(set_to_none=True)
@@ -288,12 +329,7 @@ def train_student(
             break
     bar.close()
     student.eval()
-    return {
-        **pre,
-        "steps": step, "planned_steps": cfg.steps,
-        "stopped_by_time_budget": stopped_by_budget or bool(pre.get("pre_stopped_by_time_budget")),
-        "train_seconds": round(time.monotonic() - t_start, 2),
-        "first_loss": losses[0] if losses else None,
-        "last_loss_mean10": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "last_mse_mean10": (sum(mse_hist[-10:]) / len(mse_hist[-10:])) if mse_hist else None,
-    }
+    return {"steps": step, "stopped_by_time_budget": stopped_by_budget,
+            "first_loss": losses[0] if losses else None,
+            "last_loss_mean10": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "last_mse_mean10": (sum(mse_hist[-10:]) / len(mse_hist[-10:])) if mse_hist else None}

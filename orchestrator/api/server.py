@@ -21,6 +21,7 @@ from orchestrator.policy.admission import Admission, QueueCancelled, QueueTimeou
 from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, TargetCost
 from orchestrator.replicas.clients import TargetClient
 from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.replicas.pool import PoolSettings
 from orchestrator.replicas.target_pool import IncompatibleTargets, TargetPool, TargetsUnreachable, open_targets
 from orchestrator.settings import LoopConfig, OrchestratorSettings, ServerSettings
 from orchestrator.store.session_store import LeaseLost, SessionLost, SessionRecord, StoreFull, StoreUnavailable, open_store
@@ -398,8 +399,8 @@ def build_servicer(settings: OrchestratorSettings) -> OrchestratorServicer:
     server = settings.server
     try:
         targets, target_info = open_targets(server.target, server.startup_timeout_s,
-                                            breaker_open_s=server.breaker_open_s,
-                                            resolve_interval_s=server.resolve_interval_s)
+                                            PoolSettings(breaker_open_s=server.breaker_open_s,
+                                                         resolve_interval_s=server.resolve_interval_s))
     except TargetsUnreachable as e:
         raise StartupError(f"the target at {server.target} did not answer within {server.startup_timeout_s:g} s "
                            f"({e}): start it first, or point --target at it") from e
@@ -425,11 +426,11 @@ def _open_drafts(settings: OrchestratorSettings, tokenizer, target_info) -> Draf
     addresses = [a.strip() for a in (server.draft or "").split(",") if a.strip()]
     if not addresses:
         return None
-    pool = DraftPool(addresses, breaker_open_s=server.breaker_open_s, breaker_failures=server.breaker_failures,
-                     on_info=lambda replica, info: check_compatible(target_info, info),
+    timings = PoolSettings(breaker_open_s=server.breaker_open_s, breaker_failures=server.breaker_failures,
+                           resolve_interval_s=server.resolve_interval_s)
+    pool = DraftPool(addresses, timings, on_info=lambda replica, info: check_compatible(target_info, info),
                      local_client=lambda address: build_local_client(
-                         address, tokenizer, target_info.model_name, target_info.vocab_size, server.local_datastore),
-                     resolve_interval_s=server.resolve_interval_s)
+                         address, tokenizer, target_info.model_name, target_info.vocab_size, server.local_datastore))
     for replica in pool.replicas:
         try:
             replica.info = replica.client.info(timeout=min(server.startup_timeout_s, 10.0))

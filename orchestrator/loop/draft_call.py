@@ -84,9 +84,7 @@ class DraftCall:
             with telemetry.call_attributes(session_id=rec.session_id, replica=replica.address,
                                            **({"tree_budget": extra["tree"]["tree_budget"]} if "tree" in extra
                                               else {"k": k})):
-                return replica.client.propose(rec.session_id, rec.committed, rec.draft_pos, k, state.sampling,
-                                              state.seed, rec.step, timeout_s, state.cfg.draft_min_confidence,
-                                              principal=rec.params.owner, **extra), None
+                return replica.client.propose(state.propose_call(k, **extra), timeout_s), None
         except grpc.RpcError as e:
             kind = "timeout" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name.lower()
             return None, (kind, e.details())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from orchestrator.policy.draft_length import AcceptancePrior, DraftCost, DraftEvidence, Ema, TargetCost
+from orchestrator.replicas.clients import DecodeCall, ProposeCall, VerifyCall
 from orchestrator.replicas.draft_pool import DraftPool
 from orchestrator.store.session_store import SessionRecord
 from orchestrator.replicas.target_pool import TargetPool
@@ -136,6 +137,25 @@ class LoopState:
             self.rec.target_pos = 0
             self.stats.target_resyncs += 1
         return replica
+
+    # The requests of a step's calls, built from the session as it stands (a call moved to another replica is built
+    # again: its position is then 0). Everything they carry was resolved at admission (rec.params) or by the loop.
+
+    def propose_call(self, max_len: int, tree: dict | None = None, kv=None) -> ProposeCall:
+        rec = self.rec
+        return ProposeCall(rec.session_id, rec.committed, rec.draft_pos, max_len, self.sampling, self.seed, rec.step,
+                           self.cfg.draft_min_confidence, tree, kv, rec.params.owner)
+
+    def verify_call(self, reply) -> VerifyCall:
+        """The Verify of a draft reply (a chain, or a tree when reply.tree_parents is set)."""
+        rec = self.rec
+        return VerifyCall(rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.sampling,
+                          self.seed, rec.step, reply.tree_parents)
+
+    def decode_call(self, max_tokens: int, block_tokens: int = 1, first_block_tokens: int = 0) -> DecodeCall:
+        rec = self.rec
+        return DecodeCall(rec.session_id, rec.committed, rec.target_pos, max_tokens, self.sampling, self.seed,
+                          rec.step, tuple(sorted(self.stop_ids)), block_tokens, first_block_tokens)
 
     def leave_target(self) -> None:
         if self.target_seat is not None:

@@ -93,10 +93,7 @@ class TargetCall:
         tree = reply.tree_parents is not None
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, k=len(reply.tokens), **({"tree": True} if tree else {})):
-            v = self.call(lambda t: self.client.verify(
-                rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, state.sampling,
-                state.seed, rec.step, t, wait_for_ready=self.wait_for_ready, tree_parents=reply.tree_parents),
-                "verify")
+            v = self.call(lambda t: self.client.verify(state.verify_call(reply), t, self.wait_for_ready), "verify")
         state.count_overhead(t0, v.verify_ms)
         cost = state.measured.target_cost
         if not tree and cost is not None and rec.target_pos == ctx - 1 and switched:
@@ -114,9 +111,7 @@ class TargetCall:
         plain = rec.target_pos == len(rec.committed) - 1  # no prefill or resync in this call
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=n, degraded=degraded):
-            d = self.call(lambda t: self.client.decode(
-                rec.session_id, rec.committed, rec.target_pos, n, state.sampling, state.seed, rec.step,
-                sorted(state.stop_ids), t, wait_for_ready=self.wait_for_ready), "decode")
+            d = self.call(lambda t: self.client.decode(state.decode_call(n), t, self.wait_for_ready), "decode")
         state.count_overhead(t0, d.decode_ms)
         cost = state.measured.target_cost
         if cost is not None and plain and d.tokens:
@@ -159,9 +154,8 @@ class TargetCall:
         first = 1 if not rec.generated and not rec.params.speculation else block
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
-            self.stream = self.call(lambda t: self.client.decode_stream(
-                rec.session_id, rec.committed, rec.target_pos, total, state.sampling, state.seed, rec.step,
-                sorted(state.stop_ids), t, block, first, wait_for_ready=self.wait_for_ready), "decode")
+            self.stream = self.call(lambda t: self.client.decode_stream(state.decode_call(total, block, first), t,
+                                                                        self.wait_for_ready), "decode")
         self.stream_client = self.client
         d = self.stream.first
         state.count_overhead(t0, d.decode_ms)

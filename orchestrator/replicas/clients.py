@@ -58,6 +58,67 @@ def _call_with_resync(fn, committed: list[int], pos: int):
         return fn(_delta(committed, 0)), True
 
 
+@dataclass(frozen=True)
+class ProposeCall:
+    """One Propose of a session's step: the committed tokens and the position the draft replica holds (a TokenDelta
+    is sent from it), the longest draft to make, and the step's sampling. ``tree``: ask for a token tree (keys
+    tree_budget, tree_branch, tree_branch_below, tree_max_depth). ``kv``: the target's KV of committed's first
+    kv.length tokens (pos must be 0), installed instead of a prefill. ``principal``: the caller the session belongs
+    to (drafters that learn across sessions keep principals apart)."""
+
+    session_id: str
+    committed: list[int]
+    pos: int
+    max_len: int
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    min_confidence: float = 0.0
+    tree: dict | None = None
+    kv: common_pb2.KvBlock | None = None
+    principal: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One Verify of a session's step: the committed tokens and the position the target holds, the draft block (a
+    chain; the nodes of a token tree when tree_parents is set) and the step's sampling."""
+
+    session_id: str
+    committed: list[int]
+    pos: int
+    draft_tokens: list[int]
+    draft_probs: list  # repeated Distribution, as the draft sent them
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    tree_parents: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One target-only Decode or DecodeStream: up to max_tokens tokens after the committed ones, ending at any of
+    stop_token_ids. A stream sends its tokens in blocks of block_tokens, its first of first_block_tokens (0: a
+    block's)."""
+
+    session_id: str
+    committed: list[int]
+    pos: int
+    max_tokens: int
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    block_tokens: int = 1
+    first_block_tokens: int = 0
+
+    def request(self, delta: common_pb2.TokenDelta) -> target_pb2.DecodeRequest:
+        return target_pb2.DecodeRequest(session_id=self.session_id, delta=delta, max_tokens=self.max_tokens,
+                                        sampling=wire.sampling_to_proto(self.params, self.seed), step=self.step,
+                                        stop_token_ids=self.stop_token_ids, block_tokens=self.block_tokens,
+                                        first_block_tokens=self.first_block_tokens)
+
+
 @dataclass
 class DraftReply:
     tokens: list[int]
@@ -115,24 +176,18 @@ class DraftClient:
     def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
         return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
-    def propose(self, session_id: str, committed: list[int], pos: int, max_len: int, params: SamplingParams,
-                seed: int, step: int, timeout: float, min_confidence: float = 0.0,
-                tree: dict | None = None, kv: common_pb2.KvBlock | None = None, principal: str = "") -> DraftReply:
-        """``tree``: ask for a token tree (keys tree_budget, tree_branch, tree_branch_below, tree_max_depth).
-        ``kv``: the target's KV of committed's first kv.length tokens (pos must be 0), installed instead of a
-        prefill. ``principal``: the caller the session belongs to (drafters that learn across sessions keep
-        principals apart)."""
-        sampling = wire.sampling_to_proto(params, seed)
+    def propose(self, call: ProposeCall, timeout: float) -> DraftReply:
+        sampling = wire.sampling_to_proto(call.params, call.seed)
 
-        def call(delta):
+        def send(delta):
             return self.stub.Propose(
-                draft_pb2.ProposeRequest(session_id=session_id, delta=delta, max_draft_len=max_len,
-                                         sampling=sampling, step=step, min_confidence=min_confidence,
-                                         kv=kv, principal=principal, **(tree or {})),
+                draft_pb2.ProposeRequest(session_id=call.session_id, delta=delta, max_draft_len=call.max_len,
+                                         sampling=sampling, step=call.step, min_confidence=call.min_confidence,
+                                         kv=call.kv, principal=call.principal, **(call.tree or {})),
                 timeout=timeout,
             )
 
-        r, resynced = _call_with_resync(call, committed, pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos)
         if len(r.tree.tokens) or len(r.tree.parents):
             return DraftReply(list(r.tree.tokens), list(r.tree.probs), r.cached_len, r.draft_ms, resynced,
                               list(r.tree.parents))
@@ -166,25 +221,22 @@ class TargetClient:
     def info(self, timeout: float = 5.0) -> common_pb2.ModelInfo:
         return self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
 
-    def verify(self, session_id: str, committed: list[int], pos: int, draft_tokens: list[int], draft_probs: list,
-               params: SamplingParams, seed: int, step: int, timeout: float,
-               wait_for_ready: bool = False, tree_parents: list[int] | None = None) -> VerifyReply:
-        """``tree_parents``: draft_tokens/draft_probs are the nodes of a token tree with these parents."""
-        sampling = wire.sampling_to_proto(params, seed)
-        if tree_parents is not None:
-            tree = common_pb2.TokenTree(parents=tree_parents, tokens=draft_tokens, probs=draft_probs)
+    def verify(self, call: VerifyCall, timeout: float, wait_for_ready: bool = False) -> VerifyReply:
+        sampling = wire.sampling_to_proto(call.params, call.seed)
+        if call.tree_parents is not None:
+            tree = common_pb2.TokenTree(parents=call.tree_parents, tokens=call.draft_tokens, probs=call.draft_probs)
             fields = dict(tree=tree)
         else:
-            fields = dict(draft_tokens=draft_tokens, draft_probs=draft_probs)
+            fields = dict(draft_tokens=call.draft_tokens, draft_probs=call.draft_probs)
 
-        def call(delta):
+        def send(delta):
             return self.stub.Verify(
-                target_pb2.VerifyRequest(session_id=session_id, delta=delta, sampling=sampling, step=step,
+                target_pb2.VerifyRequest(session_id=call.session_id, delta=delta, sampling=sampling, step=call.step,
                                          **fields),
                 timeout=timeout, wait_for_ready=wait_for_ready,
             )
 
-        r, resynced = _call_with_resync(call, committed, pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos)
         return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced,
                            list(r.accepted_nodes))
 
@@ -204,35 +256,18 @@ class TargetClient:
         request = target_pb2.PrefillRequest(session_id=session_id, delta=_delta(committed, pos))
         return self.stub.Prefill.future(request, timeout=timeout)
 
-    def decode(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
-               seed: int, step: int, stop_token_ids: list[int], timeout: float,
-               wait_for_ready: bool = False) -> DecodeReply:
-        sampling = wire.sampling_to_proto(params, seed)
+    def decode(self, call: DecodeCall, timeout: float, wait_for_ready: bool = False) -> DecodeReply:
+        def send(delta):
+            return self.stub.Decode(call.request(delta), timeout=timeout, wait_for_ready=wait_for_ready)
 
-        def call(delta):
-            return self.stub.Decode(
-                target_pb2.DecodeRequest(session_id=session_id, delta=delta, max_tokens=max_tokens,
-                                         sampling=sampling, step=step, stop_token_ids=stop_token_ids),
-                timeout=timeout, wait_for_ready=wait_for_ready,
-            )
-
-        r, resynced = _call_with_resync(call, committed, pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos)
         return DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, resynced)
 
-    def decode_stream(self, session_id: str, committed: list[int], pos: int, max_tokens: int, params: SamplingParams,
-                      seed: int, step: int, stop_token_ids: list[int], timeout: float, block_tokens: int = 1,
-                      first_block_tokens: int = 0, wait_for_ready: bool = False) -> DecodeStream:
-        """Open a DecodeStream of up to max_tokens tokens (the whole stream within `timeout`; the target ends it
+    def decode_stream(self, call: DecodeCall, timeout: float, wait_for_ready: bool = False) -> DecodeStream:
+        """Open a DecodeStream of up to call.max_tokens tokens (the whole stream within `timeout`; the target ends it
         cleanly a little before) and wait for its first block."""
-        sampling = wire.sampling_to_proto(params, seed)
-
-        def call(delta):
-            stream = self.stub.DecodeStream(
-                target_pb2.DecodeRequest(session_id=session_id, delta=delta, max_tokens=max_tokens, sampling=sampling,
-                                         step=step, stop_token_ids=stop_token_ids, block_tokens=block_tokens,
-                                         first_block_tokens=first_block_tokens),
-                timeout=timeout, wait_for_ready=wait_for_ready,
-            )
+        def send(delta):
+            stream = self.stub.DecodeStream(call.request(delta), timeout=timeout, wait_for_ready=wait_for_ready)
             try:
                 r = next(stream)
             except StopIteration:  # a target never ends a stream without a token; if one did, say so as a failure
@@ -242,7 +277,7 @@ class TargetClient:
                 raise
             return DecodeStream(stream, DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, False))
 
-        r, resynced = _call_with_resync(call, committed, pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos)
         r.resynced = r.first.resynced = resynced
         return r
 

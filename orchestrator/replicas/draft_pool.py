@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from orchestrator.replicas.clients import DraftClient
 from orchestrator.replicas.discovery import Resolve
-from orchestrator.replicas.pool import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Replica, ReplicaPool, rank
+from orchestrator.replicas.pool import (CLOSED, HALF_OPEN, OPEN, CircuitBreaker, PoolSettings, Replica, ReplicaPool,
+                                        rank)
 from specdec.core.grpc_util import make_channel
 
-__all__ = ["CLOSED", "HALF_OPEN", "OPEN", "CircuitBreaker", "DraftPool", "DraftReplica", "LocalDraftReplica", "_rank"]
+__all__ = ["CLOSED", "HALF_OPEN", "OPEN", "CircuitBreaker", "DraftPool", "DraftReplica", "LocalDraftReplica", "PoolSettings",
+           "_rank"]
 
 _rank = rank  # the name chaos/ and older callers import
 
@@ -39,15 +41,12 @@ class DraftPool(ReplicaPool):
     KIND = "draft"
     _always_checked = (LocalDraftReplica,)
 
-    def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
-                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
-                 breaker_failures: int = 2, local_client=None, resolve: Resolve | None = None,
-                 resolve_interval_s: float = 5.0):
+    def __init__(self, addresses: list[str], settings: PoolSettings = PoolSettings(), on_info=None,
+                 resolve: Resolve | None = None, local_client=None):
         """``local_client(address)``: builds the client of an in-process drafter (addresses ``local:...``); the other
         arguments as ReplicaPool's."""
         self._local_client = local_client
-        super().__init__(addresses, breaker_open_s, breaker_max_open_s, health_interval_s, health_timeout_s,
-                         on_info, breaker_failures, resolve, resolve_interval_s)
+        super().__init__(addresses, settings, on_info, resolve)
 
     def _new_replica(self, address: str, breaker: CircuitBreaker, authority: str | None) -> DraftReplica:
         from orchestrator.replicas.local_draft import is_local

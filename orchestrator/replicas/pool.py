@@ -13,6 +13,7 @@ import hashlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -125,6 +126,20 @@ class Replica:
 
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    """How a pool watches its replicas: a breaker's back-off (open_s, doubling after a failed probe up to
+    max_open_s) and the consecutive failures that open it (None: the pool's own, BREAKER_FAILURES), the health
+    checks' interval and timeout, and how often ``dns:///`` names are resolved again."""
+
+    breaker_open_s: float = 1.0
+    breaker_max_open_s: float = 10.0
+    breaker_failures: int | None = None
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    resolve_interval_s: float = 5.0
+
+
 def rank(session_id: str, address: str) -> int:
     """A session's rendezvous score for a replica: the highest-scoring replica holds its cache. Only the replicas that
     leave or join move sessions, and every orchestrator computes the same ranking without sharing state."""
@@ -136,30 +151,32 @@ class ReplicaPool:
     replicas (``_new_replica``) and say what they are (``KIND``, for logs and thread names)."""
 
     KIND = "replica"
+    BREAKER_FAILURES = 2  # consecutive failed calls that open a replica's breaker, unless the settings say
     # A replica that left the pool keeps its channel this long: calls already under way on it (a prefetch, a
     # release) end normally instead of being cancelled.
     RETIRE_GRACE_S = 30.0
 
-    def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
-                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
-                 breaker_failures: int = 2, resolve: Resolve | None = None, resolve_interval_s: float = 5.0):
+    def __init__(self, addresses: list[str], settings: PoolSettings = PoolSettings(), on_info=None,
+                 resolve: Resolve | None = None):
         """``resolve(host, port)``: the addresses of a ``dns:///`` entry (default: getaddrinfo), asked again every
-        ``resolve_interval_s`` and soon after a replica's breaker opens. ``on_info(replica, info)``: called the first
-        time a replica answers GetInfo; raising keeps the replica out (``refused``)."""
+        ``settings.resolve_interval_s`` and soon after a replica's breaker opens. ``on_info(replica, info)``: called
+        the first time a replica answers GetInfo; raising keeps the replica out (``refused``)."""
         if not addresses:
             raise ValueError(f"a {self.KIND} pool needs at least one address")
-        if not resolve_interval_s > 0:
-            raise ValueError(f"the {self.KIND} re-resolve interval must be positive, got {resolve_interval_s}")
+        if not settings.resolve_interval_s > 0:
+            raise ValueError(f"the {self.KIND} re-resolve interval must be positive, got {settings.resolve_interval_s}")
+        self.settings = settings
         self.discovery = Discovery(addresses, resolve)
-        self._breaker_args = (breaker_open_s, breaker_max_open_s, breaker_failures)
+        failures = self.BREAKER_FAILURES if settings.breaker_failures is None else settings.breaker_failures
+        self._breaker_args = (settings.breaker_open_s, settings.breaker_max_open_s, failures)
         self._resolve_soon = threading.Event()
         self._lock = threading.Lock()  # guards the membership swap and the retired channels against close()
         self._refresh_lock = threading.Lock()
         self._retired: list[tuple[float, Replica]] = []
         self.replicas = [self._replica(a) for a in self.discovery.refresh()]  # replaced whole, never changed in place
-        self.health_interval_s = health_interval_s
-        self.health_timeout_s = health_timeout_s
-        self.resolve_interval_s = resolve_interval_s
+        self.health_interval_s = settings.health_interval_s
+        self.health_timeout_s = settings.health_timeout_s
+        self.resolve_interval_s = settings.resolve_interval_s
         self.on_info = on_info
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._health_loop, name=f"{self.KIND}-health", daemon=True)

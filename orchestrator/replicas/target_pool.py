@@ -26,7 +26,7 @@ import grpc
 
 from orchestrator.replicas.clients import TargetClient
 from orchestrator.replicas.discovery import Resolve
-from orchestrator.replicas.pool import OPEN, CircuitBreaker, Replica, ReplicaPool
+from orchestrator.replicas.pool import OPEN, CircuitBreaker, PoolSettings, Replica, ReplicaPool
 from specdec.core.grpc_util import make_channel
 from specdec.v1 import common_pb2
 
@@ -107,21 +107,19 @@ class TargetReplica(Replica):
 class TargetPool(ReplicaPool):
     KIND = "target"
 
-    def __init__(self, addresses: list[str], breaker_open_s: float = 1.0, breaker_max_open_s: float = 10.0,
-                 health_interval_s: float = 0.5, health_timeout_s: float = 1.0, on_info=None,
-                 breaker_failures: int = 1, resolve: Resolve | None = None, resolve_interval_s: float = 5.0,
-                 clients: dict[str, TargetClient] | None = None):
-        """``clients``: clients built by the caller, by address (used as they are, and left open on close). One
-        failure opens a target's breaker: a session does not try a failed target twice while another is healthy."""
+    BREAKER_FAILURES = 1  # a session does not try a failed target twice while another is healthy
+
+    def __init__(self, addresses: list[str], settings: PoolSettings = PoolSettings(), on_info=None,
+                 resolve: Resolve | None = None, clients: dict[str, TargetClient] | None = None):
+        """``clients``: clients built by the caller, by address (used as they are, and left open on close)."""
         self._clients = dict(clients or {})
         self._load_lock = threading.Lock()
-        super().__init__(addresses, breaker_open_s, breaker_max_open_s, health_interval_s, health_timeout_s,
-                         on_info, breaker_failures, resolve, resolve_interval_s)
+        super().__init__(addresses, settings, on_info, resolve)
 
     @classmethod
-    def of_client(cls, client: TargetClient, **kwargs) -> "TargetPool":
+    def of_client(cls, client: TargetClient, settings: PoolSettings = PoolSettings()) -> "TargetPool":
         """A pool of the one target ``client`` talks to."""
-        return cls([client.address], clients={client.address: client}, **kwargs)
+        return cls([client.address], settings, clients={client.address: client})
 
     def _new_replica(self, address: str, breaker: CircuitBreaker, authority: str | None) -> TargetReplica:
         given = self._clients.get(address)
@@ -238,7 +236,8 @@ class TargetPool(ReplicaPool):
         return self.replicas[0].client if self.replicas else None
 
 
-def open_targets(addresses: str, startup_timeout_s: float, **pool_kwargs) -> tuple[TargetPool, common_pb2.ModelInfo]:
+def open_targets(addresses: str, startup_timeout_s: float,
+                 settings: PoolSettings = PoolSettings()) -> tuple[TargetPool, common_pb2.ModelInfo]:
     """The pool of the comma-separated target ``addresses`` and its ModelInfo (TargetPool.connect); a replica that
     joins later must serve the same model (model_mismatch). Raises ValueError (no address), TargetsUnreachable or
     IncompatibleTargets, the pool closed."""
@@ -252,7 +251,7 @@ def open_targets(addresses: str, startup_timeout_s: float, **pool_kwargs) -> tup
         if problem:
             raise IncompatibleTargets(f"target {replica.address} {problem}")
 
-    pool = TargetPool(listed, on_info=check, **pool_kwargs)
+    pool = TargetPool(listed, settings, on_info=check)
     try:
         reference["info"] = pool.connect(startup_timeout_s)
     except BaseException:

@@ -264,33 +264,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.monotonic()
-    auto_model = transformers.AutoModelForCausalLM.from_pretrained
-    auto_tok = transformers.AutoTokenizer.from_pretrained
-
-    if _is_tiny(spec):
-        model, tok = build_tiny(spec)
-        source = "memory"
-    elif _is_smollm2(spec):
-        path = ensure_smollm2()
-        tok = auto_tok(str(path))
-        model = auto_model(str(path), dtype=dt)
-        source = str(path)
-    elif spec.lower() == DRAFT_DIRNAME:
-        path = distilled_draft_dir()
-        tok = auto_tok(str(path))
-        model = auto_model(str(path), dtype=dt)
-        source = str(path)
-    elif spec.lower().endswith(".gguf"):
-        d, name = _gguf_parts(spec)
-        tok = _from_pretrained("tokenizer", spec, auto_tok, d, gguf_file=name)
-        model = _from_pretrained("model", spec, auto_model, d, gguf_file=name, dtype=dt)
-        source = os.path.join(d, name)
-    else:
-        target = _hf_target(spec)
-        tok = _from_pretrained("tokenizer", spec, auto_tok, target)
-        model = _from_pretrained("model", spec, auto_model, target, dtype=dt)
-        source = target
-
+    model, tok, source = _model_and_tokenizer(spec, dt)
     model = model.to(device=dev, dtype=dt)
     model.eval()
     model.requires_grad_(False)
@@ -312,30 +286,31 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", prepack: st
     packed = prepack_linears(model, prepack_min_elements) if should_prepack(prepack, dev) else 0
     ragged = enable_ragged_batch(model) if ragged else False
 
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=tok,
-        name=spec,
-        device=dev,
-        dtype=dt,
-        vocab_size=vocab_size,
-        max_context=max_context,
-        eos_token_ids=eos,
-        fingerprint=tokenizer_fingerprint(tok),
-        ragged_batch=ragged,
-        kv_fingerprint=kv_fingerprint,
-    )
-    logger.info(
-        "loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears, ragged batch %s)",
-        spec,
-        source,
-        dev,
-        str(dt).removeprefix("torch."),
-        time.monotonic() - t0,
-        vocab_size,
-        max_context,
-        eos,
-        packed,
-        ragged,
-    )
+    loaded = LoadedModel(model=model, tokenizer=tok, name=spec, device=dev, dtype=dt, vocab_size=vocab_size,
+                         max_context=max_context, eos_token_ids=eos, fingerprint=tokenizer_fingerprint(tok),
+                         ragged_batch=ragged, kv_fingerprint=kv_fingerprint)
+    logger.info("loaded model %r from %s on %s/%s in %.2fs (vocab %d, ctx %d, eos %s, %d prepacked linears, "
+                "ragged batch %s)", spec, source, dev, str(dt).removeprefix("torch."), time.monotonic() - t0,
+                vocab_size, max_context, eos, packed, ragged)
     return loaded
+
+
+def _model_and_tokenizer(spec: str, dt: torch.dtype) -> tuple[Any, Any, str]:
+    """(model, tokenizer, where they came from) for a spec: a tiny random model, the packaged SmolLM2, the
+    distilled draft, a GGUF file, or a Hugging Face directory or hub id."""
+    auto_model = transformers.AutoModelForCausalLM.from_pretrained
+    auto_tok = transformers.AutoTokenizer.from_pretrained
+    if _is_tiny(spec):
+        model, tok = build_tiny(spec)
+        return model, tok, "memory"
+    if _is_smollm2(spec) or spec.lower() == DRAFT_DIRNAME:
+        path = ensure_smollm2() if _is_smollm2(spec) else distilled_draft_dir()
+        tok = auto_tok(str(path))
+        return auto_model(str(path), dtype=dt), tok, str(path)
+    if spec.lower().endswith(".gguf"):
+        d, name = _gguf_parts(spec)
+        tok = _from_pretrained("tokenizer", spec, auto_tok, d, gguf_file=name)
+        return _from_pretrained("model", spec, auto_model, d, gguf_file=name, dtype=dt), tok, os.path.join(d, name)
+    target = _hf_target(spec)
+    tok = _from_pretrained("tokenizer", spec, auto_tok, target)
+    return _from_pretrained("model", spec, auto_model, target, dtype=dt), tok, target

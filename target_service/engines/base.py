@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specdec.core.sampling import SamplingParams
+from target_service.engines.jobs import DecodeTask, VerifyOutcome, VerifyTask
 
 
 class ModelDescription(Protocol):
@@ -45,15 +45,11 @@ class TargetBackend(Protocol):
         """Keep the session's first prefix_len cached tokens, append delta; returns the cached length.
         Raises specdec.core.kv_cache.CacheMiss when the engine holds fewer than prefix_len tokens."""
 
-    def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int,
-               tree_parents: list[int] | None = None):
+    def verify(self, task: VerifyTask) -> VerifyOutcome:
         """Context delta + draft block in one forward, the block's rows judged by specdec.core.sampling.verify;
-        the session keeps the context and the accepted drafts (rejected positions leave its cache).
-        Returns target_service.engines.jobs.VerifyOutcome."""
+        the session keeps the context and the accepted drafts (rejected positions leave its cache)."""
 
-    def decode(self, session_id: str, prefix_len: int, delta: list[int], max_tokens: int, params: SamplingParams,
-               seed: int, step: int, stop_token_ids: set[int] = frozenset()) -> tuple[list[int], int, float]:
+    def decode(self, task: DecodeTask) -> tuple[list[int], int, float]:
         """Target-only decoding: (tokens, cached length, milliseconds)."""
 
     def release(self, session_id: str) -> bool:

@@ -10,7 +10,7 @@ import time
 from specdec import observability as telemetry
 from specdec.core import sampling
 from specdec.core.grpc_util import call_deadline
-from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome
 
 
 class VerifyBatcher:
@@ -139,8 +139,7 @@ class VerifyBatcher:
                     self._run(jobs)
 
 
-def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                           stop_token_ids=frozenset(), gen=None, t0=None, session=None,
+def decode_as_verify_steps(submit, task: DecodeTask, gen=None, t0=None, session=None,
                            on_token=None) -> tuple[list[int], int, float]:
     """Target-only decoding as single-token steps, each a VerifyJob of an empty draft given to `submit` (the next
     token is the 'bonus' token), so concurrent sessions decode in one forward pass, alongside other sessions'
@@ -148,16 +147,16 @@ def decode_as_verify_steps(submit, session_id, prefix_len, delta, max_tokens, pa
     `session`: the session object every step uses (VerifyJob.session). `on_token(token, cached_len)`: told each
     token as it comes; False stops the decoding (a stream's consumer went away)."""
     t0 = time.perf_counter() if t0 is None else t0
-    if gen is None and not params.is_greedy:
-        gen = sampling.make_generator(seed, step, "decode")
+    if gen is None and not task.params.is_greedy:
+        gen = sampling.make_generator(task.seed, task.step, "decode")
     out: list[int] = []
-    cached = prefix_len
-    for _ in range(max_tokens):
-        res = submit(VerifyJob(session_id, cached, list(delta), [], None, params, seed, step, generator=gen,
-                               session=session))
+    cached, delta = task.prefix_len, task.delta
+    for _ in range(task.max_tokens):
+        res = submit(VerifyJob(task.session_id, cached, list(delta), [], None, task.params, task.seed, task.step,
+                               generator=gen, session=session))
         out.append(res.next_token)
         cached, delta = res.cached_len, [res.next_token]
         wanted = on_token is None or on_token(res.next_token, cached) is not False
-        if res.next_token in stop_token_ids or not wanted:
+        if res.next_token in task.stop_token_ids or not wanted:
             break
     return out, cached, (time.perf_counter() - t0) * 1e3

@@ -1,9 +1,11 @@
-"""A verify step as the engine's batcher and the tree verifier see it: the job a call submits and its outcome."""
+"""What a call asks of a target engine, built once from the wire message (target_service/server.py): a Verify
+(VerifyTask) or a target-only Decode (DecodeTask); and a verify step as the engine's batcher and the tree verifier
+see it: the job a call submits (VerifyJob) and its outcome."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,3 +46,47 @@ class VerifyJob:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    """One Verify: the context delta after the session's first prefix_len cached tokens, and a draft block (a chain,
+    or a token tree when tree_parents is set) judged in one forward with the step's random stream (seed, step)."""
+
+    session_id: str
+    prefix_len: int
+    delta: list[int]
+    draft_tokens: list[int]
+    draft_probs: torch.Tensor | None
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    tree_parents: list[int] | None = None
+
+    def job(self) -> VerifyJob:
+        """The batcher's mutable record of this verify (its own copies of the lists)."""
+        return VerifyJob(self.session_id, self.prefix_len, list(self.delta), list(self.draft_tokens),
+                         self.draft_probs, self.params, self.seed, self.step,
+                         None if self.tree_parents is None else list(self.tree_parents))
+
+
+@dataclass(frozen=True)
+class DecodeTask:
+    """One target-only Decode (or DecodeStream): up to max_tokens tokens after the context delta, ending early at
+    any of stop_token_ids, with one random stream (seed, step) for the whole call."""
+
+    session_id: str
+    prefix_len: int
+    delta: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+
+    def moved(self, prefix_len: int, delta: list[int]) -> DecodeTask:
+        """The same decode from another point of the context (after a prefill of part of the delta)."""
+        return replace(self, prefix_len=prefix_len, delta=list(delta))

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from specdec.core import sampling
 from specdec.core.kv_cache import ContextTooLong
-from specdec.core.sampling import SamplingParams
-from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome
 
 SPLIT_SAFE_ROWS = 48  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
 
@@ -166,15 +165,14 @@ class DecodeWork(Work):
     stream for the whole call, so they equal the unary Decode's and the speculative path's. A consumer takes them in
     blocks (take()) while the engine goes on decoding."""
 
-    def __init__(self, session_id, prefix_len, delta, deadline, max_tokens: int, params: SamplingParams, seed: int,
-                 step: int, stop_token_ids=frozenset()):
-        super().__init__(session_id, prefix_len, delta, deadline)
-        self.n_logits, self.max_tokens, self.params = 1, max_tokens, params
-        self.stop_token_ids = set(stop_token_ids)
-        self.gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
+    def __init__(self, task: DecodeTask, deadline: float | None):
+        super().__init__(task.session_id, task.prefix_len, task.delta, deadline)
+        self.n_logits, self.max_tokens, self.params = 1, task.max_tokens, task.params
+        self.stop_token_ids = task.stop_token_ids
+        self.gen = None if task.params.is_greedy else sampling.make_generator(task.seed, task.step, "decode")
         self.produced: list[int] = []  # every token so far
         self.taken = 0  # tokens handed to the consumer
-        self.cached_len = prefix_len
+        self.cached_len = task.prefix_len
         self.error: BaseException | None = None
         self.finished = False
         self.last_token_at = self.last_take_at = time.perf_counter()

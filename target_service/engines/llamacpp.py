@@ -2,9 +2,9 @@
 quantized CPU kernels instead of being dequantized to float32 for PyTorch.
 
 One llama context holds every session: a session is a sequence (seq_id) with its own KV stream of
-`session_tokens` cells (kv_unified=False), so its logits do not depend on the other sessions; kv_unified=True
-shares one pool of cells (needed for trees, not batch-invariant). The cache is sized for `max_sessions` sessions
-within a memory budget (llama_cache.py).
+`llama_session_context` cells (llama_kv_unified off), so its logits do not depend on the other sessions;
+llama_kv_unified shares one pool of cells (needed for trees, not batch-invariant). The cache is sized for
+`max_sessions` sessions within a memory budget (llama_cache.py). The settings are the target's (TargetSettings).
 
 Continuous batching: one engine thread runs a step loop (llama_steps.py). Every session with work in flight adds
 its next rows to the step's single llama_decode: a decode stream its last sampled token, a Verify its context delta
@@ -29,13 +29,15 @@ import torch
 from specdec.core import sampling
 from specdec.core import tree
 from specdec.core.kv_cache import CacheMiss, ContextTooLong
+from specdec.core.settings import LONG_DRAFT_LEN
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
 from specdec.core.grpc_util import call_deadline
-from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
                                                 VerifyWork, Work)
 from target_service.engines.profile import measure_profile
+from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target.llamacpp")
 
@@ -114,12 +116,13 @@ class _Sequence:
 class LlamaCppEngine(StepLoop):
     """The target_service.engines.base.TargetBackend interface on llama.cpp."""
 
-    def __init__(self, model_path: str | pathlib.Path, name: str, *, threads: int = 1, context_tokens: int = 0,
-                 max_sessions: int = 64, max_draft_len: int = 16, batch_window_ms: float = 0.0, max_batch: int = 16,
-                 batch_wait_fraction: float = 0.5, batch_tokens: int = 512, kv_unified: bool = False,
-                 session_tokens: int = 2048, kv_budget_mib: int = 4096):
-        """context_tokens: KV cells in all, 0 = enough for max_sessions sessions of session_tokens (and the
-        profile's stream); kv_budget_mib bounds them (target_service/engines/llama_cache.py)."""
+    BATCH_TOKENS = 512  # rows of one llama_decode call (n_batch = n_ubatch)
+
+    def __init__(self, model_path: str | pathlib.Path, settings: TargetSettings):
+        """The target's settings (target_service/settings.py), read here: threads, max_sessions, llama_context (KV
+        cells in all, 0 = enough for max_sessions sessions of llama_session_context and the profile's stream),
+        llama_session_context, llama_kv_unified and max_cache_mb (the cache's plan: target_service/engines/
+        llama_cache.py), max_draft_len (0: LONG_DRAFT_LEN), batch_window_ms and max_batch; settings.model names it."""
         llama_cpp = import_llama_cpp()
         self._ll = llama_cpp
         from llama_cpp import _logger
@@ -127,75 +130,16 @@ class LlamaCppEngine(StepLoop):
         _logger.set_verbose(False)  # llama.cpp's load chatter off; its errors still reach stderr
         llama_cpp.llama_backend_init()
         path = pathlib.Path(model_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} not found")
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            raise ValueError(f"llama.cpp could not load {path}")
-        vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
-        head_dim = llama_cpp.llama_model_n_embd(self._model) // llama_cpp.llama_model_n_head(self._model)
-        # f16 keys and values (the context's default cache type)
-        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(self._model) * \
-            llama_cpp.llama_model_n_head_kv(self._model) * head_dim
-        # Sequence ids: the sessions', one for the profile (it never evicts a session), and on the unified cache
-        # a tree's scratch ones.
-        reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
-        asked_context = min(n_ctx_train, session_tokens)
+        self._model = self._load_model(path)
         try:
-            plan = plan_cache(max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
-                              budget_mib=kv_budget_mib, context_cells=context_tokens, reserved_sequences=reserved,
-                              max_sequences=int(llama_cpp.llama_max_parallel_sequences()), unified=kv_unified)
-        except ValueError:
+            session_context = self._plan_cache(settings)
+            self._ctx = self._new_context(settings.threads)
+        except BaseException:
             llama_cpp.llama_model_free(self._model)
             raise
-        if plan.shortfall:
-            log.warning(plan.describe(max_sessions, asked_context))
-        self.cache_plan = plan
-        self.max_sessions = plan.sessions
-        session_context = min(n_ctx_train, plan.session_context)
-        context_tokens = plan.cells
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_seq_max = plan.sessions + reserved
-        if kv_unified:
-            # One pool of cells for all: a session's cells land wherever others left holes, which changes the
-            # attention's summation order, so greedy output can differ with the cache's history.
-            self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
-        else:
-            # Each sequence its own stream of session_context cells, filled from cell 0 in position order: a
-            # session's logits do not depend on the other sessions (batch-invariant greedy output). No tree
-            # scratch streams.
-            self._scratch_ids = []
-        self.kv_unified = kv_unified
-        self.context_tokens = context_tokens
-        self.batch_tokens = batch_tokens
-        cparams.n_ctx = context_tokens
-        cparams.n_batch = cparams.n_ubatch = batch_tokens
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = kv_unified
-        cparams.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            llama_cpp.llama_model_free(self._model)
-            raise MemoryError(f"llama.cpp could not create a context of {context_tokens} tokens "
-                              f"({context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
-        tok, fingerprint = _tokenizer(str(path))
-        eos = eos_token_ids(None, tok)
-        for special in (llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab)):
-            if 0 <= special and special not in eos:
-                eos.append(int(special))
-        desc = ctypes.create_string_buffer(128)
-        llama_cpp.llama_model_desc(self._model, desc, len(desc))
-        self.loaded = LlamaModelInfo(
-            name=name, vocab_size=self._n_vocab,
-            max_context=min(session_context, int(llama_cpp.llama_n_ctx_seq(self._ctx))),
-            eos_token_ids=eos, fingerprint=fingerprint, tokenizer=tok,
-            dtype="llama.cpp " + desc.value.decode(errors="replace"))
+        self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
+        self.loaded = self._describe(path, settings.model, session_context)
         self._lock = threading.RLock()  # a llama context is not thread-safe: every call into it holds this
         # Every llama_decode runs on the engine's one step-loop thread. llama.cpp's OpenMP build gives each calling
         # thread its own team of workers, and an idle team keeps spinning for a while: decodes arriving on the gRPC
@@ -213,20 +157,101 @@ class LlamaCppEngine(StepLoop):
         self._busy: set[str] = set()
         self._free_ids = list(range(self.max_sessions + 1))
         self.evictions = 0
-        self.max_draft_len = max_draft_len
+        self.max_draft_len = settings.max_draft_len or LONG_DRAFT_LEN
         self.forward_ms: list[float] = []
         # The step loop batches every session's work continuously; batch_window_ms > 0 only says this target is
         # meant to serve many sessions at once (the orchestrator's admission and goodput cost read max_batch).
         self.batcher = None
-        self.max_batch = max_batch if batch_window_ms > 0 else 1
-        self.step_sessions = max(1, max_batch) if batch_window_ms > 0 else max(16, max_batch)
+        batching, max_batch = settings.batch_window_ms > 0, settings.max_batch
+        self.max_batch = max_batch if batching else 1
+        self.step_sessions = max(1, max_batch) if batching else max(16, max_batch)
         self.steps = 0  # llama_decode steps of the loop, and the sessions' works they carried (batching metrics)
         self.step_works = 0
         self.last_step_sessions = 0
         self._loop_thread = threading.Thread(target=self._step_loop, name="llama-compute", daemon=True)
         self._loop_thread.start()
-        log.info("llama.cpp engine: %s, %d threads, %d sessions in %d KV cells", path.name, threads,
-                 self.max_sessions, context_tokens)
+        log.info("llama.cpp engine: %s, %d threads, %d sessions in %d KV cells", path.name, settings.threads,
+                 self.max_sessions, self.context_tokens)
+
+    def _load_model(self, path: pathlib.Path):
+        """The GGUF's weights (on the CPU), and what the cache is sized from: the vocabulary and a token's KV bytes."""
+        llama_cpp = self._ll
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} not found")
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
+        head_dim = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
+        # f16 keys and values (the context's default cache type)
+        self.kv_bytes_per_token = 2 * 2 * llama_cpp.llama_model_n_layer(model) * \
+            llama_cpp.llama_model_n_head_kv(model) * head_dim
+        return model
+
+    def _plan_cache(self, settings: TargetSettings) -> int:
+        """Size the KV cache (llama_cache.plan_cache): sessions, cells, and the tree scratch sequences; returns a
+        session's context."""
+        kv_unified = settings.llama_kv_unified
+        # Sequence ids: the sessions', one for the profile (it never evicts a session), and on the unified cache
+        # a tree's scratch ones.
+        self._reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
+        asked_context = min(self._n_ctx_train, settings.llama_session_context)
+        plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
+                          budget_mib=settings.max_cache_mb, context_cells=settings.llama_context,
+                          reserved_sequences=self._reserved,
+                          max_sequences=int(self._ll.llama_max_parallel_sequences()), unified=kv_unified)
+        if plan.shortfall:
+            log.warning(plan.describe(settings.max_sessions, asked_context))
+        self.cache_plan = plan
+        self.max_sessions = plan.sessions
+        if kv_unified:
+            # One pool of cells for all: a session's cells land wherever others left holes, which changes the
+            # attention's summation order, so greedy output can differ with the cache's history.
+            self._scratch_ids = list(range(self.max_sessions + 1, self.max_sessions + 1 + MAX_TREE_LEAVES))
+        else:
+            # Each sequence its own stream of session_context cells, filled from cell 0 in position order: a
+            # session's logits do not depend on the other sessions (batch-invariant greedy output). No tree
+            # scratch streams.
+            self._scratch_ids = []
+        self.kv_unified = kv_unified
+        self.context_tokens = plan.cells
+        self.batch_tokens = self.BATCH_TOKENS
+        return min(self._n_ctx_train, plan.session_context)
+
+    def _new_context(self, threads: int):
+        """The llama context the plan sized (every KV cell allocated now)."""
+        cparams = self._ll.llama_context_default_params()
+        cparams.n_seq_max = self.cache_plan.sessions + self._reserved
+        cparams.n_ctx = self.context_tokens
+        cparams.n_batch = cparams.n_ubatch = self.batch_tokens
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = self.kv_unified
+        cparams.no_perf = True
+        ctx = self._ll.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise MemoryError(f"llama.cpp could not create a context of {self.context_tokens} tokens "
+                              f"({self.context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
+        return ctx
+
+    def _describe(self, path: pathlib.Path, name: str, session_context: int) -> LlamaModelInfo:
+        """GetInfo's view of the model: its tokenizer (read from the GGUF), end tokens and context."""
+        llama_cpp = self._ll
+        tok, fingerprint = _tokenizer(str(path))
+        eos = eos_token_ids(None, tok)
+        for special in (llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)):
+            if 0 <= special and special not in eos:
+                eos.append(int(special))
+        desc = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self._model, desc, len(desc))
+        return LlamaModelInfo(
+            name=name, vocab_size=self._n_vocab,
+            max_context=min(session_context, int(llama_cpp.llama_n_ctx_seq(self._ctx))),
+            eos_token_ids=eos, fingerprint=fingerprint, tokenizer=tok,
+            dtype="llama.cpp " + desc.value.decode(errors="replace"))
 
     @property
     def vocab_size(self) -> int:
@@ -399,10 +424,8 @@ class LlamaCppEngine(StepLoop):
         self._enqueue([work])
         return work.result(wait)
 
-    def verify(self, session_id, prefix_len, delta, draft_tokens, draft_probs, params, seed, step,
-               tree_parents=None) -> VerifyOutcome:
-        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step,
-                        None if tree_parents is None else list(tree_parents))
+    def verify(self, task: VerifyTask) -> VerifyOutcome:
+        job = task.job()
         self.verify_many([job])
         return job.outcome()
 
@@ -484,24 +507,22 @@ class LlamaCppEngine(StepLoop):
                 for sid in scratch.values():
                     self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
 
-    def decode_stream(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
-                      stop_token_ids=frozenset()) -> DecodeWork:
+    def decode_stream(self, task: DecodeTask) -> DecodeWork:
         """Start target-only decoding of up to max_tokens tokens; the engine decodes on, one row per step, while the
         caller takes the tokens in blocks (DecodeWork.take) or stops it (DecodeWork.cancel)."""
         deadline, _ = self._wait_s()
-        work = DecodeWork(session_id, prefix_len, delta, deadline, max_tokens, params, seed, step, stop_token_ids)
+        work = DecodeWork(task, deadline)
         self._enqueue([work])
         return work
 
-    def decode(self, session_id, prefix_len, delta, max_tokens, params, seed, step,
-               stop_token_ids=frozenset()) -> tuple[list[int], int, float]:
+    def decode(self, task: DecodeTask) -> tuple[list[int], int, float]:
         t0 = time.perf_counter()
         _, wait = self._wait_s()
-        work = self.decode_stream(session_id, prefix_len, delta, max_tokens, params, seed, step, stop_token_ids)
+        work = self.decode_stream(task)
         end, tokens = time.monotonic() + wait, []
         try:
             while True:  # one take unless an error follows some tokens (then the next take raises it)
-                block = work.take(max_tokens, max(0.0, end - time.monotonic()))
+                block = work.take(task.max_tokens, max(0.0, end - time.monotonic()))
                 tokens += block.tokens
                 if block.finished:
                     return tokens, block.cached_len, (time.perf_counter() - t0) * 1e3

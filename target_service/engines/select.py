@@ -3,12 +3,12 @@ the llama_cpp module is installed, else PyTorch, with one log line saying why)."
 
 from __future__ import annotations
 
-import argparse
 import logging
 import pathlib
 
-from specdec.core.settings import LONG_DRAFT_LEN, MAX_DRAFT_LEN
+from specdec.core.settings import MAX_DRAFT_LEN
 from specdec.models import SMOLLM2_ALIASES, smollm2_gguf_path
+from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target")
 
@@ -60,29 +60,24 @@ def _accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch.backends, "mps") and torch.backends.mps.is_available())
 
 
-def build_engine(args: argparse.Namespace):
-    """The backend `serve target` runs, from its parsed arguments."""
+def build_engine(settings: TargetSettings):
+    """The backend `serve target` runs, from its settings."""
     try:
-        backend, reason = choose_engine(args.engine, args.model, args.device)
+        backend, reason = choose_engine(settings.engine, settings.model, settings.device)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     log.info("target engine: %s (%s)", backend, reason)
     if backend == "llamacpp":
         from target_service.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(gguf_file(args.model), args.model, threads=args.threads,
-                              context_tokens=args.llama_context, max_sessions=args.max_sessions,
-                              max_draft_len=args.max_draft_len or LONG_DRAFT_LEN, batch_window_ms=args.batch_window_ms,
-                              max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction,
-                              kv_unified=args.llama_kv_unified, session_tokens=args.llama_session_context,
-                              kv_budget_mib=args.max_cache_mb)
+        return LlamaCppEngine(gguf_file(settings.model), settings)
     from specdec.core.kv_cache import SessionCacheStore
     from specdec.models import load_model
     from target_service.engines.torch import TargetEngine
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, prepack=args.prepack,
-                        ragged=args.ragged_batch == "auto")
-    store = SessionCacheStore(max_sessions=args.max_sessions, max_bytes=args.max_cache_mb * 1024 * 1024)
-    return TargetEngine(loaded, store, max_draft_len=args.max_draft_len or MAX_DRAFT_LEN,
-                        batch_window_ms=args.batch_window_ms,
-                        max_batch=args.max_batch, batch_wait_fraction=args.batch_wait_fraction)
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, prepack=settings.prepack,
+                        ragged=settings.ragged_batch == "auto")
+    store = SessionCacheStore(max_sessions=settings.max_sessions, max_bytes=settings.max_cache_mb * 1024 * 1024)
+    return TargetEngine(loaded, store, max_draft_len=settings.max_draft_len or MAX_DRAFT_LEN,
+                        batch_window_ms=settings.batch_window_ms,
+                        max_batch=settings.max_batch, batch_wait_fraction=settings.batch_wait_fraction)

@@ -10,11 +10,10 @@ import torch
 from specdec.core import sampling, wire
 from specdec.core.grpc_util import call_deadline
 from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, extend_batch
-from specdec.core.sampling import SamplingParams
 from specdec.core.settings import MAX_DRAFT_LEN
 from specdec.models import LoadedModel
 from target_service.engines.batching import VerifyBatcher, decode_as_verify_steps
-from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.profile import measure_profile
 
 
@@ -90,11 +89,8 @@ class TargetEngine:
             values = torch.stack([layer.values[0, :, :n].to(torch.float16) for layer in layers])
             return keys, values
 
-    def verify(self, session_id: str, prefix_len: int, delta: list[int], draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams, seed: int, step: int,
-               tree_parents: list[int] | None = None) -> VerifyOutcome:
-        job = VerifyJob(session_id, prefix_len, delta, list(draft_tokens), draft_probs, params, seed, step,
-                        None if tree_parents is None else list(tree_parents))
+    def verify(self, task: VerifyTask) -> VerifyOutcome:
+        job = task.job()
         if self.batcher is not None:
             return self.batcher.submit(job)
         self.verify_many([job])
@@ -159,36 +155,25 @@ class TargetEngine:
             for sess, _ in locked:
                 sess.lock.release()
 
-    def decode(
-        self,
-        session_id: str,
-        prefix_len: int,
-        delta: list[int],
-        max_tokens: int,
-        params: SamplingParams,
-        seed: int,
-        step: int,
-        stop_token_ids: set[int] = frozenset(),
-        on_token=None,
-    ) -> tuple[list[int], int, float]:
+    def decode(self, task: DecodeTask, on_token=None) -> tuple[list[int], int, float]:
         """Target-only decoding; on_token as decode_as_verify_steps's (the DecodeStream RPC's blocks)."""
         t0 = time.perf_counter()
-        gen = None if params.is_greedy else sampling.make_generator(seed, step, "decode")
+        params = task.params
+        gen = None if params.is_greedy else sampling.make_generator(task.seed, task.step, "decode")
         # One session object for the whole call, batched steps included: another session's call may evict this one
         # from the store between the prefill and the steps (a full cache), and the steps must still find the
         # prefilled tokens.
-        sess = self.store.get(session_id)
-        if len(delta) > 1:
+        sess = self.store.get(task.session_id)
+        if len(task.delta) > 1:
             # A prompt (or a resync): prefilled one at a time like a speculative session's (prefill()), not as a
             # long row in a batch every decoding session waits for.
-            prefix_len, delta = self._prefill_session(sess, prefix_len, delta[:-1]), delta[-1:]
+            task = task.moved(self._prefill_session(sess, task.prefix_len, task.delta[:-1]), task.delta[-1:])
         if self.batcher is not None:
-            return decode_as_verify_steps(self.batcher.submit, sess.session_id, prefix_len, delta, max_tokens, params,
-                                          seed, step, stop_token_ids, gen, t0, session=sess, on_token=on_token)
+            return decode_as_verify_steps(self.batcher.submit, task, gen, t0, session=sess, on_token=on_token)
         with sess.lock:
-            new = self.lm.sync(sess, prefix_len, delta)
+            new = self.lm.sync(sess, task.prefix_len, task.delta)
             out: list[int] = []
-            for _ in range(max_tokens):
+            for _ in range(task.max_tokens):
                 last = self.lm.extend(sess, new, keep=1)[-1]
                 if params.is_greedy:
                     token = int(sampling.greedy_tokens(last))
@@ -197,7 +182,7 @@ class TargetEngine:
                 out.append(token)
                 new = [token]
                 wanted = on_token is None or on_token(token, len(sess.tokens)) is not False
-                if token in stop_token_ids or not wanted:
+                if token in task.stop_token_ids or not wanted:
                     break
             self.store.update_size(sess)
             return out, len(sess.tokens), (time.perf_counter() - t0) * 1e3
