@@ -8,10 +8,13 @@ quiet 2-core AMD EPYC (bench/results/quick/latest.json, `overheads`): a Verify o
 times the target's step plus the Verify's round trip; a streamed target-only token is the target's step plus the
 stream's share; a Decode call adds its round trip; closing an open stream for a Verify waits for the stream's step
 in flight. After a long context each token also pays its attention (37 ms a token after the rag prompt's 1.4k
-tokens against 7.8 ms after a short one, the quick run's target-only figures). Two ways of running a session:
+tokens against 7.8 ms after a short one, the quick run's target-only figures). Ways of running a session:
 
-- `stream`: what the orchestrator does: blocks that do not pay (priced against the stream's token, with the
-  switch) are not verified and the session takes the stream's next block, drafting again at each one;
+- `hybrid` (hybridN: a ramp of N): what the orchestrator does (orchestrator/loop/step.py, WEAK_RAMP): blocks that
+  do not pay (priced against the stream's token, with the switch while a stream is open) are not verified; right
+  after a Verify the first two such steps decode 1, then 2 tokens in Decode calls, after that the session takes
+  the stream's next block, drafting again at each one;
+- `stream`: every such step from the stream;
 - `unary`: the earlier loop: target-only priced with a quarter of a call's round trip a token, no switch, and the
   tokens of blocks that do not pay from Decode calls of 1, 2, then 4 tokens.
 
@@ -32,7 +35,7 @@ STREAM_TOKEN_MS = 0.04  # a streamed token's share beyond the engine (target_str
 LONG_CONTEXT_STEP_MS = 37.0  # a target-only token after the rag prompt's ~1.4k tokens
 LONG_CONTEXT = 1416
 BLOCK = 4  # tokens per stream block (--fallback-chunk)
-RAMP = 2  # hybrid: after a verify, Decode calls of 1, 2 tokens before the stream opens
+RAMP = 2  # hybrid: after a verify, Decode calls of 1, 2 tokens before the stream opens (step.WEAK_RAMP)
 
 
 def attention_ms(context: int) -> float:
@@ -88,7 +91,8 @@ def run(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
             t, streaming, dry = t + k + 1, False, 0
             continue
         per_token = STEP_MS + attention_ms(len(ctx))
-        if mode == "stream" or (mode == "hybrid" and (streaming or dry >= RAMP or not out["verifies"])):
+        ramp = int(mode[len("hybrid"):] or RAMP) if mode.startswith("hybrid") else 0
+        if mode == "stream" or (ramp and (streaming or dry >= ramp or not out["verifies"])):
             m = min(BLOCK, len(reply) - t)
             ms += m * (per_token + STREAM_TOKEN_MS) + (0.0 if streaming else DECODE_RPC_MS)
             streaming = True
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--passes", type=int, default=1, help="over the prompts, the evidence learned carried over; the "
                    "last pass is reported (1: an orchestrator's first generations, exploring its drafter's scores)")
+    p.add_argument("--modes", default="stream,hybrid,unary", help="hybridN: a ramp of N Decode calls after a Verify")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from bench.llamacpp_rows import DirectLlamaCpp
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         model.close()
     totals: dict = {}
-    for mode in ("stream", "hybrid", "unary"):
+    for mode in args.modes.split(","):
         evidence = DraftEvidence()  # orchestrator-wide: learned over the prompts in turn, as a server would
         for _ in range(args.passes - 1):
             for kind, ids, reply in work:

@@ -481,6 +481,9 @@ def test_an_untested_match_starts_from_the_tested_weaker_ones_and_is_explored_on
     d = GoodputDraftLength(63, cost, evidence=ev)
     d.use_free_drafter(True)
     assert d.verify_len([2.0**3] * 3, limit=63) >= 1  # untested and no stream open: tried for a Verify's cost
+    d.context = 1500
+    assert d.verify_len([2.0**3] * 3, limit=63) == 0  # nor where a token's cost at this context is not measured
+    d.context = 0
     d.stream_open = True
     assert d.verify_len([2.0**3] * 3, limit=63) == 0  # not worth closing the stream to test
     assert d.verify_len([2.0**18] * 16, limit=63) >= 8  # priced from bucket 3's record: a long block pays

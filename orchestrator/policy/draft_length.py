@@ -154,6 +154,11 @@ class TargetCost:
         base = next((self.token_ms_at[i].value for i in sorted(self.token_ms_at) if i < b), None)
         return 0.0 if base is None else max(0.0, here.value - base)
 
+    def context_measured(self, context: int) -> bool:
+        """Whether a token's cost at this context is known (its bucket measured, or the profile's own)."""
+        b = self.context_bucket(context)
+        return b == 0 or b in self.token_ms_at
+
     def observe(self, tokens: int, server_ms: float, calls: int = 1, decode: bool = False, context: int = 0) -> None:
         """A target call that ran forwards over `tokens` new tokens each (`calls` of them) after `context` tokens,
         taking server_ms on the target; `decode`: a target-only Decode call (its steps), else a Verify."""
@@ -529,9 +534,10 @@ class GoodputDraftLength:
             rate = expected / (self.cost.step_ms(d + 1, rows, context=self.context) + switch)
             if rate > best:
                 best_d, best = d, rate
-        if (self.free and best_d and best <= self.tokens_per_ms(0, rows)
-                and (switch > 0 or self.evidence.observations(scores[0]) >= self.EXPLORE_BELOW)):
-            return 0  # an untested bucket is tried where that costs only its Verify: no stream to close
+        explore = (switch == 0 and self.cost.context_measured(self.context)
+                   and self.evidence.observations(scores[0]) < self.EXPLORE_BELOW)
+        if self.free and best_d and best <= self.tokens_per_ms(0, rows) and not explore:
+            return 0  # an untested bucket is tried only where that costs just its Verify, at a known context cost
         return best_d
 
     def observe_evidence(self, scores: list[float], verified: int, accepted: int) -> None:
