@@ -4,6 +4,7 @@ sweep, the model-step microbenchmarks and the per-step system overheads (gRPC ro
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 
@@ -103,7 +104,6 @@ def bare_grpc_cost(wait_ms: float, reps: int = 20, forward=None) -> dict:
     on the call, the server's poller); forward minus sleep is the same call's code running from caches the
     model's weights just swept. Every Verify pays both on top of gRPC's own cost: together they are the floor
     of a Python gRPC round trip around a target forward here, whatever the service code does."""
-    import statistics
     from concurrent import futures
 
     import grpc
@@ -148,50 +148,18 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     * Verify (k drafts), Decode (1 token) and Propose (k tokens) called directly: client round trip minus the
       model time the service itself reports = what gRPC, (de)serialisation and the service's own Python cost
       per call."""
-    import statistics
-
-    from orchestrator.replicas.clients import DecodeCall, DraftClient, TargetClient, VerifyCall
-    from orchestrator.store.session_store import SessionRecord, open_store
+    from orchestrator.replicas.clients import DraftClient, TargetClient
     from specdec.core.sampling import SamplingParams
 
-    med = statistics.median
     out: dict = {}
+    greedy = SamplingParams()
+    sid = "bench-overhead"
     target = TargetClient(services.addresses["target"])
     draft = DraftClient(services.addresses["draft"]) if "draft" in services.addresses else None
     try:
-        target.info(timeout=10)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            target.info(timeout=10)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out["grpc_unary_roundtrip_ms"] = med(times)
-
-        greedy = SamplingParams()
-        sid = "bench-overhead"
-        first = target.decode(DecodeCall(sid, list(ids), 0, 1, greedy), 120.0)
-        ctx = list(ids) + list(first.tokens)
-        drafts = [ctx[-1]] * k
-        rt, model = [], []
-        for i in range(model_reps):  # Verify at a fixed position: crop to ctx - 1, feed 1 + k tokens
-            t0 = time.perf_counter()
-            v = target.verify(VerifyCall(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1), 120.0)
-            rt.append((time.perf_counter() - t0) * 1e3)
-            model.append(v.verify_ms)
-        out["target_verify_rpc_ms"] = med(rt)
-        out["target_verify_service_ms"] = med(model)
-        out["target_verify_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
-        rt, model = [], []
-        for i in range(model_reps):  # Decode one token at a fixed position
-            t0 = time.perf_counter()
-            d = target.decode(DecodeCall(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i), 120.0)
-            rt.append((time.perf_counter() - t0) * 1e3)
-            model.append(d.decode_ms)
-        out["target_decode_rpc_ms"] = med(rt)
-        out["target_decode_service_ms"] = med(model)
-        out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
-        out.update(_stream_costs(target, sid, ctx, greedy))
-        target.release(sid)
+        out["grpc_unary_roundtrip_ms"] = _unary_roundtrip_ms(target, reps)
+        ctx, costs = _target_call_costs(target, sid, ids, k, greedy, model_reps)
+        out.update(costs)
         if draft is not None:
             out.update(_propose_costs(draft, sid, ctx, k, greedy, model_reps))
         else:  # --draft local:ngram: the orchestrator drafts in process, no Propose round trip
@@ -200,21 +168,7 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
         target.close()
         if draft is not None:
             draft.close()
-
-    store = open_store(services.redis.url)
-    rec = SessionRecord("bench-overhead", list(ids), {"temperature": 0.0, "max_new_tokens": 96},
-                        stats={k: 0 for k in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted",
-                                              "fallback_steps", "decode_steps", "draft_ms", "verify_ms", "wall_ms")})
-    store.create(rec)
-    rtimes = []
-    for i in range(reps):
-        rec.generated.extend([1, 2, 3])
-        rec.step = i
-        t0 = time.perf_counter()
-        store.commit(rec, [1, 2, 3])
-        rtimes.append((time.perf_counter() - t0) * 1e3)
-    store.delete(rec.session_id)
-    out["redis_commit_ms"] = med(rtimes)
+    out["redis_commit_ms"] = _redis_commit_ms(services.redis.url, ids, reps)
     out.update(bare_grpc_cost(step_ms, forward=forward))
     out["grpc_wait_ms"] = step_ms
     out["per_step_system_overhead_ms"] = (out["target_verify_rpc_overhead_ms"]
@@ -232,6 +186,70 @@ def measure_overheads(services, ids: list[int], k: int = 4, reps: int = 30, mode
     if draft is None:
         out["note"] += "; no draft process (the orchestrator drafts with --draft local:ngram): no Propose"
     return out
+
+
+def _unary_roundtrip_ms(target, reps: int) -> float:
+    """The median round trip of an empty unary call (GetInfo), after one to connect."""
+    target.info(timeout=10)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        target.info(timeout=10)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _target_call_costs(target, sid: str, ids: list[int], k: int, greedy, model_reps: int) -> tuple[list[int], dict]:
+    """Verify (k drafts) and Decode (1 token) at a fixed position, and a DecodeStream: each call's round trip, the
+    model time the target reports and the difference (medians). Returns the context they ran at too."""
+    from orchestrator.replicas.clients import DecodeCall, VerifyCall
+
+    med = statistics.median
+    out: dict = {}
+    first = target.decode(DecodeCall(sid, list(ids), 0, 1, greedy), 120.0)
+    ctx = list(ids) + list(first.tokens)
+    drafts = [ctx[-1]] * k
+    rt, model = [], []
+    for i in range(model_reps):  # Verify at a fixed position: crop to ctx - 1, feed 1 + k tokens
+        t0 = time.perf_counter()
+        v = target.verify(VerifyCall(sid, ctx, len(ctx) - 1, drafts, [], greedy, 0, i + 1), 120.0)
+        rt.append((time.perf_counter() - t0) * 1e3)
+        model.append(v.verify_ms)
+    out["target_verify_rpc_ms"] = med(rt)
+    out["target_verify_service_ms"] = med(model)
+    out["target_verify_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+    rt, model = [], []
+    for i in range(model_reps):  # Decode one token at a fixed position
+        t0 = time.perf_counter()
+        d = target.decode(DecodeCall(sid, ctx, len(ctx) - 1, 1, greedy, 0, 100 + i), 120.0)
+        rt.append((time.perf_counter() - t0) * 1e3)
+        model.append(d.decode_ms)
+    out["target_decode_rpc_ms"] = med(rt)
+    out["target_decode_service_ms"] = med(model)
+    out["target_decode_rpc_overhead_ms"] = med([a - b for a, b in zip(rt, model)])
+    out.update(_stream_costs(target, sid, ctx, greedy))
+    target.release(sid)
+    return ctx, out
+
+
+def _redis_commit_ms(redis_url: str, ids: list[int], reps: int) -> float:
+    """The median time of the orchestrator's per-step commit of a 3-token block to a session record."""
+    from orchestrator.store.session_store import SessionRecord, open_store
+
+    store = open_store(redis_url)
+    rec = SessionRecord("bench-overhead", list(ids), {"temperature": 0.0, "max_new_tokens": 96},
+                        stats={k: 0 for k in ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted",
+                                              "fallback_steps", "decode_steps", "draft_ms", "verify_ms", "wall_ms")})
+    store.create(rec)
+    rtimes = []
+    for i in range(reps):
+        rec.generated.extend([1, 2, 3])
+        rec.step = i
+        t0 = time.perf_counter()
+        store.commit(rec, [1, 2, 3])
+        rtimes.append((time.perf_counter() - t0) * 1e3)
+    store.delete(rec.session_id)
+    return statistics.median(rtimes)
 
 
 def _stream_costs(target, sid: str, ctx: list[int], greedy, tokens: int = 32, block: int = 4) -> dict:
@@ -284,8 +302,6 @@ def target_only_breakdown(row: dict, llamacpp_tokens_per_s: float | None,
 
 def _propose_costs(draft, sid: str, ctx: list[int], k: int, greedy, model_reps: int) -> dict:
     """Propose of k tokens at a fixed position: round trip, the service's draft_ms, and their difference."""
-    import statistics
-
     from orchestrator.replicas.clients import ProposeCall
 
     med = statistics.median

@@ -125,17 +125,59 @@ def test_run_log_pattern():
         assert not RUN_LOG_PATTERN.search(text), text
 
 
+def _anchors(doc: pathlib.Path) -> set[str]:
+    """The anchors a renderer (GitHub's rule) gives the document's headings: lower case, punctuation dropped,
+    spaces to hyphens; a repeated heading gets -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 @pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc):
+    """Every relative link names a file that exists, and a #anchor into a markdown file names one of its headings
+    (a figure is linked to where it stands, not copied)."""
     broken = []
     for m in LINK_PATTERN.finditer(doc.read_text()):
         target = m.group(1)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
-            continue  # a URL or an anchor in the same file
-        path = target.split("#", 1)[0]
-        if not (doc.parent / path).exists():
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path) if path else doc
+        if not file.exists():
             broken.append(target)
-    assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{doc.relative_to(ROOT)} links to missing files or headings: {broken}"
+
+
+def test_anchor_rule(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Benchmark: specdec\n## The per-step overhead (the target not met)\n```\n# not a heading\n```\n"
+                   "## Current results\n## Current results\n")
+    assert _anchors(doc) == {"benchmark-specdec", "the-per-step-overhead-the-target-not-met", "current-results",
+                             "current-results-1"}
+
+
+# A measured figure: a ratio (1.24x, 0.82×), a rate (38 tokens/s), a time (27 ms) or a share (4.5 %).
+FIGURE_PATTERN = re.compile(r"\d(?:\.\d+)?\s?(?:×|x\b|%|ms\b|tokens/s|tok/s)")
+
+
+def test_readme_links_to_the_figures_instead_of_repeating_them():
+    """Each figure lives in one place (docs/benchmark.md or the results it is made from); the README links there."""
+    found = [f"{n}: {line.strip()[:100]}" for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
+             if FIGURE_PATTERN.search(line)]
+    assert not found, f"README.md repeats measured figures (link to docs/benchmark.md instead): {found}"
 
 
 def test_bench_writes_one_result_set_per_mode():
