@@ -34,6 +34,7 @@ def greedy_reply(model, ids: list[int], n: int) -> list[int]:
 
 def replay(name: str, ids: list[int], reply: list[int]) -> dict:
     """Target steps, verifies and accepted tokens for `reply` (its first token comes from the prefill)."""
+    from draft_service.proposers.base import ProposeTask
     from draft_service.proposers.ngram import NgramProposer
     from draft_service.proposers.suffix import SuffixProposer
     from specdec.core.sampling import SamplingParams
@@ -45,7 +46,7 @@ def replay(name: str, ids: list[int], reply: list[int]) -> dict:
         if name == "ngram":
             draft = proposer.lookup(ctx, room) if room else []
         else:
-            draft = proposer.get_candidates("s", held, ctx[held:], max(1, room), SamplingParams(), 0, 0).tokens
+            draft = proposer.get_candidates(ProposeTask("s", held, ctx[held:], max(1, room), SamplingParams(), 0, 0)).tokens
             held, draft = len(ctx), draft[:room]
         k = 0
         while k < len(draft) and draft[k] == reply[t + k]:

@@ -8,20 +8,18 @@ import logging
 import pathlib
 
 from draft_service.proposers.base import Proposer
-from draft_service.settings import DEFAULT_BATCH_ROWS
+from draft_service.settings import DraftSettings
 from specdec.v1 import common_pb2
 
 log = logging.getLogger("specdec.draft")
 
 
-def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_from: str | None,
-                   max_sessions: int = 64, max_cache_mb: int = 2048, prepack: str = "auto",
-                   hybrid_model_max_len: int = 2, draft_vocab: int = 0,
-                   datastore: str = "none", quantize: str = "none",
-                   batch_rows: int = DEFAULT_BATCH_ROWS) -> tuple[Proposer, common_pb2.ModelInfo]:
+def build_proposer(settings: DraftSettings) -> tuple[Proposer, common_pb2.ModelInfo]:
+    """The proposer the settings' strategy names, and its ModelInfo."""
     from specdec.core.kv_cache import SessionCacheStore
     from specdec.models import load_model, load_tokenizer
 
+    strategy, model, vocab_from, datastore = settings.strategy, settings.model, settings.vocab_from, settings.datastore
     if strategy == "ngram":
         return build_ngram_proposer(load_tokenizer(vocab_from) if vocab_from else None, vocab_from, datastore)
     if strategy == "suffix":
@@ -31,13 +29,15 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
 
     if strategy not in MODEL_STRATEGIES:
         raise ValueError(f"unknown draft strategy {strategy!r} (model, ngram, suffix, hybrid or quantized)")
+    quantize = settings.quantize
     if strategy == "quantized":  # --model (the target) with its weights rounded to int8
         quantize = "int8"
     if quantize not in ("none", "int8"):
         raise ValueError(f"quantize must be none or int8, not {quantize!r}")
     # int8 replaces the linear layers: no oneDNN-packed float copies of them first
-    loaded = load_model(model, device=device, dtype=dtype, prepack="off" if quantize == "int8" else prepack)
-    store = SessionCacheStore(max_sessions=max_sessions, max_bytes=max_cache_mb * 1024 * 1024)
+    loaded = load_model(model, device=settings.device, dtype=settings.dtype,
+                        prepack="off" if quantize == "int8" else settings.prepack)
+    store = SessionCacheStore(max_sessions=settings.max_sessions, max_bytes=settings.max_cache_mb * 1024 * 1024)
     info = common_pb2.ModelInfo(
         model_name=loaded.name, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.fingerprint,
         max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids, device=str(loaded.device),
@@ -47,13 +47,13 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
     if quantize == "int8":
         from draft_service.int8_draft import int8_draft
 
-        lm = int8_draft(loaded, store, batch_rows=batch_rows)  # the full vocabulary: its head is the target's, in int8
+        lm = int8_draft(loaded, store, batch_rows=settings.batch_rows)  # the full vocabulary: its head is the target's, in int8
         info.model_name = f"{loaded.name}[int8]"
         info.dtype = "int8"
         if getattr(lm, "kv_dims", None) is not None:  # the lean runtime takes the target's prompt KV
             info.kv_fingerprint = loaded.kv_fingerprint
-    elif limit_draft_vocab(loaded, draft_vocab):
-        info.model_name = f"{loaded.name}[vocab<{draft_vocab}]"
+    elif limit_draft_vocab(loaded, settings.draft_vocab):
+        info.model_name = f"{loaded.name}[vocab<{settings.draft_vocab}]"
     proposer = ModelProposer(loaded, store, lm)
     info.drafts_trees = proposer.drafts_trees
     if strategy == "hybrid":
@@ -65,7 +65,7 @@ def build_proposer(strategy: str, model: str, device: str, dtype: str, vocab_fro
         info.kv_fingerprint = ""  # the hybrid's n-gram side drafts too: it takes no KV
         info.drafts_trees = False
         return HybridProposer(NgramProposer(vocab_size=loaded.vocab_size, datastore=store), proposer,
-                              hybrid_model_max_len), info
+                              settings.hybrid_model_max_len), info
     return proposer, info
 
 

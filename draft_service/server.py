@@ -10,7 +10,7 @@ from draft_service.proposers.base import Proposer
 from draft_service.servicer import DraftServicer
 from draft_service.settings import DraftSettings
 from specdec.core.grpc_util import ServiceServer
-from specdec.core.settings import MAX_DRAFT_LEN
+from specdec.core.settings import MAX_DRAFT_LEN, from_args
 from specdec.ops.service import add_service_arguments, prepare_process, run_until_signal
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -36,11 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     prepare_process(args, "specdec-draft", log)
-    proposer, info = build_proposer(args.strategy, args.model, args.device, args.dtype, args.vocab_from,
-                                    args.max_sessions, args.max_cache_mb, args.prepack, args.hybrid_model_max_len,
-                                    args.draft_vocab, args.datastore, args.quantize, args.batch_rows)
+    settings = from_args(DraftSettings, args)
+    proposer, info = build_proposer(settings)
     # A Propose holds its thread while it waits for its step batch: one per cached session (and its prefetch).
-    server = build_server(proposer, info, args.listen, max_workers=args.max_sessions + 8,
-                          inject_latency_ms=args.inject_latency_ms,
-                          max_draft_len=args.max_draft_len or info.max_draft_len or MAX_DRAFT_LEN).start()
+    server = build_server(proposer, info, settings.listen, max_workers=settings.max_sessions + 8,
+                          inject_latency_ms=settings.inject_latency_ms,
+                          max_draft_len=settings.max_draft_len or info.max_draft_len or MAX_DRAFT_LEN).start()
     run_until_signal(server, log)

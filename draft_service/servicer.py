@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from draft_service.proposers.base import Proposer
+from draft_service.proposers.base import Proposer, ProposeTask
 from specdec import observability as telemetry
 from specdec.core import wire
 from specdec.core.grpc_util import RpcAbort, handle_errors, require_session_id
@@ -46,17 +46,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return self._propose_tree(sid, request, params, delta)
         s = telemetry.annotate(session_id=sid, max_draft_len=request.max_draft_len)
         t0 = time.perf_counter()
-        stoppable = getattr(self.proposer, "stoppable", False)
-        extra = {"should_stop": lambda: not context.is_active()} if stoppable else {}
-        if getattr(self.proposer, "per_principal", False):
-            extra["principal"] = request.principal
+        kv = None
         if request.HasField("kv"):
-            extra["kv"] = self._imported_kv(request)
+            kv = self._imported_kv(request)
             s.set_attribute("kv_imported", request.kv.length)
-        proposal = self.proposer.get_candidates(
-            sid, request.delta.prefix_len, delta, request.max_draft_len, params,
-            request.sampling.seed, request.step, request.min_confidence, **extra,
-        )
+        proposal = self.proposer.get_candidates(ProposeTask(
+            sid, request.delta.prefix_len, delta, request.max_draft_len, params, request.sampling.seed, request.step,
+            request.min_confidence, request.principal, kv, should_stop=lambda: not context.is_active()))
         ms = (time.perf_counter() - t0) * 1e3
         s.set_attribute("draft_tokens", len(proposal.tokens))
         telemetry.record_draft(ms)

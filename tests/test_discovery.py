@@ -266,9 +266,9 @@ def counting(draft_server) -> list:
     proposer = draft_server.servicer.proposer
     inner = proposer.get_candidates
 
-    def get_candidates(*args, **kwargs):
-        calls.append(args[0] if args else kwargs.get("session_id"))
-        return inner(*args, **kwargs)
+    def get_candidates(task):
+        calls.append(task.session_id)
+        return inner(task)
 
     proposer.get_candidates = get_candidates
     return calls

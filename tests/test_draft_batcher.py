@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from draft_service.proposers.base import ProposeTask
 from draft_service.draft_batcher import DraftStepBatcher
 from draft_service.int8_draft import LeanCachedLM, int8_draft
 from draft_service.proposers.model import ModelProposer
@@ -71,8 +72,8 @@ def test_concurrent_proposals_share_forwards_and_draft_the_same_tokens():
 
         def one(i):
             sid = f"s{i}"
-            first = proposer.get_candidates(sid, 0, prompts[i], 6, GREEDY, 0, 0)
-            second = proposer.get_candidates(sid, first.cached_len, first.tokens[-1:], 6, GREEDY, 0, 1)
+            first = proposer.get_candidates(ProposeTask(sid, 0, prompts[i], 6, GREEDY, 0, 0))
+            second = proposer.get_candidates(ProposeTask(sid, first.cached_len, first.tokens[-1:], 6, GREEDY, 0, 1))
             out[sid] = first.tokens + second.tokens
 
         if parallel:

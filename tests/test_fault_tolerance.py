@@ -104,8 +104,10 @@ class GarbageProposer(Proposer):
     def __init__(self, kind: str, vocab_size: int):
         self.kind, self.vocab_size = kind, vocab_size
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params, seed, step, min_confidence=0.0):
+    def get_candidates(self, task):
         import torch
+
+        max_len, prefix_len, delta = task.max_len, task.prefix_len, task.delta
 
         if self.kind == "out_of_vocab":
             return Proposal([self.vocab_size + 7] * max_len, None, prefix_len + len(delta))

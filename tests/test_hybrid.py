@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draft_service.proposers.base import ProposeTask
 from draft_service.proposers.hybrid import HybridProposer
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
@@ -27,11 +28,11 @@ def _model_logits(tokens):
 def test_lookup_first_then_the_model_which_catches_up():
     h = _hybrid(max_len=2)
     ctx = [5, 6, 7, 8, 9, 5, 6]  # "5 6" occurred before: prompt lookup proposes what followed it
-    p = h.get_candidates("s", 0, ctx, 4, GREEDY, 0, 0)
+    p = h.get_candidates(ProposeTask("s", 0, ctx, 4, GREEDY, 0, 0))
     assert p.tokens == [7, 8, 9, 5] and p.probs_fp16 is None
     assert p.cached_len == 0  # the model has seen nothing yet: the next request resends everything it lacks
     ctx2 = ctx + [7, 8, 9, 5, 40, 41]  # ...accepted, then new tokens the context has not seen
-    p = h.get_candidates("s", p.cached_len, ctx2, 4, GREEDY, 0, 1)
+    p = h.get_candidates(ProposeTask("s", p.cached_len, ctx2, 4, GREEDY, 0, 1))
     assert 1 <= len(p.tokens) <= 2  # no n-gram match for "41": the model drafts, at most model_max_len
     assert p.tokens[0] == int(torch.argmax(_model_logits(ctx2)))  # the model's cache holds the whole context
     assert p.cached_len == len(ctx2)
@@ -42,9 +43,9 @@ def test_lookup_first_then_the_model_which_catches_up():
 def test_an_evicted_model_cache_is_rebuilt_from_the_lookup_side():
     h = _hybrid()
     ctx = [11, 12, 13, 14]
-    p = h.get_candidates("s", 0, ctx, 2, GREEDY, 0, 0)
+    p = h.get_candidates(ProposeTask("s", 0, ctx, 2, GREEDY, 0, 0))
     h.model.release("s")  # e.g. LRU eviction on the model side only
-    p = h.get_candidates("s", len(ctx), [15], 2, GREEDY, 0, 1)
+    p = h.get_candidates(ProposeTask("s", len(ctx), [15], 2, GREEDY, 0, 1))
     assert p.tokens[0] == int(torch.argmax(_model_logits(ctx + [15])))
 
 
@@ -92,5 +93,5 @@ def test_top_vocab_head_drafts_only_the_first_ids_and_stays_exact(redis_url):
     from draft_service.proposers.model import ModelProposer
 
     proposer = ModelProposer(loaded, SessionCacheStore())
-    p = proposer.get_candidates("v", 0, [1, 5, 9, 12], 6, SamplingParams(temperature=1.0), 1, 0)
+    p = proposer.get_candidates(ProposeTask("v", 0, [1, 5, 9, 12], 6, SamplingParams(temperature=1.0), 1, 0))
     assert all(t < 40 for t in p.tokens) and bool((p.probs_fp16[:, 40:] == 0).all())

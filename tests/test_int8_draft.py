@@ -4,6 +4,7 @@ transformers' forward over the same int8 weights."""
 import pytest
 import torch
 
+from draft_service.proposers.base import ProposeTask
 from draft_service.int8_draft import LeanCachedLM, LeanLlama, int8_draft
 from specdec.models import cpu_kernels
 from specdec.core.kv_cache import CachedLM, SessionCacheStore, SessionKV, cache_nbytes
@@ -173,7 +174,7 @@ def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_sessio
     store = SessionCacheStore()
     proposer = ModelProposer(loaded, store, int8_draft(loaded, store))
     greedy = SamplingParams(0.0, 0, 1.0)
-    whole = proposer.get_candidates("a", 0, [1, 2, 3], 6, greedy, 0, 0)
+    whole = proposer.get_candidates(ProposeTask("a", 0, [1, 2, 3], 6, greedy, 0, 0))
     assert len(whole.tokens) == 6
     calls = []
 
@@ -181,10 +182,10 @@ def test_a_cancelled_propose_stops_between_tokens_and_leaves_an_unstarted_sessio
         calls.append(1)
         return len(calls) > 2  # checked once before the session is touched, then after each token
 
-    part = proposer.get_candidates("b", 0, [1, 2, 3], 6, greedy, 0, 0, should_stop=stop_after_two)
+    part = proposer.get_candidates(ProposeTask("b", 0, [1, 2, 3], 6, greedy, 0, 0, should_stop=stop_after_two))
     assert part.tokens == whole.tokens[:2]
     before = list(store.get("b").tokens)
-    none = proposer.get_candidates("b", 1, [9, 9, 9], 6, greedy, 0, 1, should_stop=lambda: True)
+    none = proposer.get_candidates(ProposeTask("b", 1, [9, 9, 9], 6, greedy, 0, 1, should_stop=lambda: True))
     assert none.tokens == [] and store.get("b").tokens == before  # not cropped, not extended
 
 

@@ -3,6 +3,7 @@ it (longer matches weigh more), the datastore breaks ties; chains take the best 
 
 import pytest
 
+from draft_service.proposers.base import ProposeTask
 from draft_service.proposers.datastore import NgramDatastore
 from draft_service.proposers.ngram import NgramProposer
 from specdec.core import tree
@@ -81,6 +82,6 @@ def test_each_drafted_token_carries_the_votes_for_its_path():
     assert path == p.lookup(context, 3) == [8, 2, 7]
     # (7 -> 8) is voted by two 1-token matches of 8 each; (8, 2) by one of them; a longer path never scores more
     assert votes == [16.0, 8.0, 8.0] and votes == sorted(votes, reverse=True)
-    got = p.get_candidates("s", 0, context, 3, SamplingParams(), 0, 0)
+    got = p.get_candidates(ProposeTask("s", 0, context, 3, SamplingParams(), 0, 0))
     assert got.tokens == path and got.scores == votes
     assert p.lookup_scored([1, 2, 3], 4) == ([], [])  # no match, no draft

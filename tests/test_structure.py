@@ -267,8 +267,6 @@ MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one eac
 TOO_LONG_YET = {
 }
 TOO_MANY_PARAMETERS_YET = {
-    "draft_service/build.py:build_proposer": "the draft's settings fields (DraftSettings whole is the split)",
-    "draft_service/proposers/model.py:ModelProposer.get_candidates": "the Propose request's fields",
 }
 
 

@@ -5,6 +5,7 @@ tests/test_sampling_distribution_e2e.py (local-suffix)."""
 
 import pytest
 
+from draft_service.proposers.base import ProposeTask
 from draft_service.proposers.suffix import MAX_SCORED_CONTEXT, SuffixLimits, SuffixProposer, token_scores
 from specdec.core.kv_cache import CacheMiss
 from specdec.core.sampling import SamplingParams
@@ -14,7 +15,7 @@ PASSAGE = list(range(10, 40))  # a passage in the prompt the reply will quote
 
 
 def draft(p, sid, prefix_len, delta, principal="", max_len=32):
-    return p.get_candidates(sid, prefix_len, delta, max_len, GREEDY, 0, 0, principal=principal)
+    return p.get_candidates(ProposeTask(sid, prefix_len, delta, max_len, GREEDY, 0, 0, principal=principal))
 
 
 def test_a_quoted_passage_is_drafted_and_the_draft_grows_with_the_match():

@@ -8,10 +8,11 @@ lazily, in one forward over what it missed, the next time it is needed.
 
 from __future__ import annotations
 
-from draft_service.proposers.base import Proposal, Proposer
+from dataclasses import replace
+
+from draft_service.proposers.base import Proposal, Proposer, ProposeTask
 from draft_service.proposers.model import ModelProposer
 from draft_service.proposers.ngram import NgramProposer
-from specdec.core.sampling import SamplingParams
 
 
 class HybridProposer(Proposer):
@@ -32,18 +33,18 @@ class HybridProposer(Proposer):
         sess = self.model.store.get(session_id, create=False)
         return 0 if sess is None else len(sess.tokens)
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0) -> Proposal:
-        found = self.ngram.get_candidates(session_id, prefix_len, delta, max_len, params, seed, step)
+    def get_candidates(self, task: ProposeTask) -> Proposal:
+        session_id = task.session_id
+        found = self.ngram.get_candidates(task)
         if found.tokens:
             self.ngram_proposals += 1
             # Report what BOTH hold, so the next request resends whatever the model has not seen yet.
             return Proposal(found.tokens, None, min(found.cached_len, self._model_len(session_id)), found.scores)
         # The n-gram side now holds the whole context: feed the model what it lacks from there.
         context = self.ngram.session_tokens(session_id)
-        have = min(self._model_len(session_id), prefix_len)
-        drafted = self.model.get_candidates(session_id, have, context[have:], min(max_len, self.model_max_len),
-                                            params, seed, step, min_confidence)
+        have = min(self._model_len(session_id), task.prefix_len)
+        drafted = self.model.get_candidates(replace(task, prefix_len=have, delta=context[have:],
+                                                    max_len=min(task.max_len, self.model_max_len), should_stop=None))
         self.model_proposals += 1
         return Proposal(drafted.tokens, drafted.probs_fp16, min(drafted.cached_len, found.cached_len))
 

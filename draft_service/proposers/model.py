@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from draft_service.proposers.base import Proposal, Proposer
+from draft_service.proposers.base import Proposal, Proposer, ProposeTask
 from specdec.core import sampling
 from specdec.core import wire
 from specdec.core.kv_cache import CachedLM, SessionCacheStore
@@ -44,7 +44,6 @@ def limit_draft_vocab(loaded: LoadedModel, n: int) -> bool:
 
 class ModelProposer(Proposer):
     strategy = "model"
-    stoppable = True  # get_candidates takes should_stop: a cancelled call stops between tokens
 
     def __init__(self, loaded: LoadedModel, store: SessionCacheStore | None = None, lm: CachedLM | None = None):
         """lm: how the model runs (default CachedLM; the int8 draft brings its own, draft_service/int8_draft.py)."""
@@ -58,12 +57,13 @@ class ModelProposer(Proposer):
         """(layers, kv_heads, head_dim) when the runtime takes KV computed elsewhere (get_candidates' kv), else None."""
         return getattr(self.lm, "kv_dims", None)
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0, should_stop=None, kv=None) -> Proposal:
-        """should_stop: checked before touching the session and between tokens. A pipelined prefetch the
+    def get_candidates(self, task: ProposeTask) -> Proposal:
+        """task.should_stop: checked before touching the session and between tokens. A pipelined prefetch the
         orchestrator no longer wants (its block was not fully accepted) is cancelled: it must neither hold the
         session's lock for a whole block nor change the cache after the call that replaced it.
-        kv: (keys, values) of delta's first tokens, to install instead of prefilling them (prefix_len 0 only)."""
+        task.kv: (keys, values) of delta's first tokens, to install instead of prefilling them (prefix_len 0 only)."""
+        session_id, prefix_len, delta, params = task.session_id, task.prefix_len, task.delta, task.params
+        should_stop, kv = task.should_stop, task.kv
         sess = self.store.get(session_id)
         with sess.lock:
             if should_stop is not None and should_stop():
@@ -77,10 +77,10 @@ class ModelProposer(Proposer):
                 prefix_len, delta = n, delta[n:]
             with self.lm.proposing(session_id):  # a batching runtime lets the other sessions' steps wait for ours
                 new = self.lm.sync(sess, prefix_len, delta)
-                gen = None if params.is_greedy else sampling.make_generator(seed, step, "draft")
+                gen = None if params.is_greedy else sampling.make_generator(task.seed, task.step, "draft")
                 tokens: list[int] = []
                 rows: list[torch.Tensor] = []
-                for _ in range(max_len):
+                for _ in range(task.max_len):
                     logits = self.lm.extend(sess, new, keep=1)[-1]
                     if params.is_greedy:
                         token = int(sampling.greedy_tokens(logits))
@@ -93,7 +93,7 @@ class ModelProposer(Proposer):
                         rows.append(q16)
                     tokens.append(token)
                     new = [token]
-                    if min_confidence > 0 and confidence < min_confidence:
+                    if task.min_confidence > 0 and confidence < task.min_confidence:
                         break
                     if should_stop is not None and should_stop():
                         break

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from draft_service.proposers.base import Proposal, Proposer
+from draft_service.proposers.base import Proposal, Proposer, ProposeTask
 from draft_service.proposers.datastore import NgramDatastore
 from draft_service.proposers.tree import TreeProposal
 from specdec.core.kv_cache import CacheMiss
@@ -63,10 +63,9 @@ class NgramProposer(Proposer):
             raise ValueError(f"context longer than {self.max_tokens_per_session} tokens")
         return tokens
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, seed, step,
-                       min_confidence=0.0) -> Proposal:
-        tokens = self._sync(session_id, prefix_len, delta)
-        path, scores = self.lookup_scored(tokens, max_len)
+    def get_candidates(self, task: ProposeTask) -> Proposal:
+        tokens = self._sync(task.session_id, task.prefix_len, task.delta)
+        path, scores = self.lookup_scored(tokens, task.max_len)
         return Proposal(path, None, len(tokens), scores)
 
     def get_tree(self, session_id, prefix_len, delta, shape, params: SamplingParams, seed, step) -> TreeProposal:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from draft_service.proposers.base import Proposal, Proposer
+from draft_service.proposers.base import Proposal, Proposer, ProposeTask
 from specdec.core.kv_cache import CacheMiss
-from specdec.core.sampling import SamplingParams
 
 MAX_SCORED_CONTEXT = 18  # matched tokens beyond this add no evidence: 2**18 is the top DraftEvidence bucket (8**6)
 
@@ -54,7 +53,6 @@ class SuffixProposer(Proposer):
     """Deterministic drafts (q is one-hot), so the verifier's rejection sampling stays exact."""
 
     strategy = "suffix"
-    per_principal = True  # get_candidates takes the session's principal (ProposeRequest.principal)
 
     def __init__(self, vocab_size: int, limits: SuffixLimits | None = None):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -123,14 +121,13 @@ class SuffixProposer(Proposer):
         if s is not None:
             s.cache.stop_request(session_id)
 
-    def get_candidates(self, session_id, prefix_len, delta, max_len, params: SamplingParams, *seed_step_confidence,
-                       **caller) -> Proposal:
+    def get_candidates(self, task: ProposeTask) -> Proposal:
         """The Proposer call; seed, step and min_confidence mean nothing to a deterministic, unscored-by-a-model
-        drafter. caller: principal=, the caller the session belongs to (a session keeps the one it started with when
-        a later call, e.g. a prefetch, names none)."""
-        principal = caller.get("principal", "")
+        drafter. task.principal: the caller the session belongs to (a session keeps the one it started with when a
+        later call, e.g. a prefetch, names none)."""
+        session_id, max_len = task.session_id, task.max_len
         with self._lock:
-            s = self._sync(session_id, prefix_len, list(delta), principal)
+            s = self._sync(session_id, task.prefix_len, list(task.delta), task.principal)
             context = np.asarray(s.tokens[-self.max_depth:], dtype=np.int32)
             draft = s.cache.speculate(session_id, context, max_spec_tokens=max_len,
                                       max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,

@@ -12,11 +12,18 @@ import dataclasses
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from specdec.core.security import redact_url
+import grpc
 
+from orchestrator.loop.state import Measurements
 from orchestrator.policy.draft_length import GoodputDraftLength
+from orchestrator.replicas.draft_pool import DraftPool
+from orchestrator.replicas.pool import OPEN, Replica
+from orchestrator.replicas.target_pool import TargetPool
+from orchestrator.settings import LoopConfig
+from specdec.core.security import redact_url
 
 DRAFT_INFO_TIMEOUT_S = 0.5  # how long an outline request may wait on the draft's GetInfo
 DRAFT_INFO_TTL_S = 60.0     # re-ask a reachable draft after this long (it may have been replaced)
@@ -26,71 +33,58 @@ _cache: "weakref.WeakKeyDictionary[object, tuple[float, object, str]]" = weakref
 _cache_lock = threading.Lock()
 
 
-class _Replica:
-    """A stand-in for a draft pool replica when the servicer has a single DraftClient (``.draft``)."""
+@dataclass(frozen=True)
+class OutlineState:
+    """What the outline reads from the running orchestrator (OrchestratorServicer.outline_state())."""
 
-    def __init__(self, client):
-        self.client = client
-        self.address = getattr(client, "address", "")
-        self.info = None
-        self.refused = None
-        self.breaker = None
+    cfg: LoopConfig
+    measured: Measurements
+    target_info: object  # common_pb2.ModelInfo, the target pool's merged answer
+    targets: TargetPool
+    drafts: DraftPool | None  # None: no speculation configured
+    store_url: str  # redacted of its password
+    active_streams: int
 
-
-def _replicas(servicer) -> list:
-    pool = getattr(servicer, "pool", None)
-    if pool is not None:
-        return list(getattr(pool, "replicas", []))
-    draft = getattr(servicer, "draft", None)
-    if draft is None:
-        return []
-    with _cache_lock:
-        rep = _cache.get(draft)
-        if rep is None or not isinstance(rep, _Replica):
-            rep = _cache[draft] = _Replica(draft)
-    return [rep]
+    @property
+    def draft_replicas(self) -> list:
+        return list(self.drafts.replicas) if self.drafts is not None else []
 
 
-def _replica_info(replica):
+def _replica_info(replica: Replica):
     """(ModelInfo or None, status): status 'reachable', 'unreachable: CODE' or 'refused: why'.
 
     The pool's own cached info is used when it has one; else GetInfo with a short deadline, cached
     (long on success, short on failure) so outline requests never pile up on a dead draft."""
-    if getattr(replica, "refused", None):
-        return getattr(replica, "info", None), f"refused: {replica.refused}"
-    known = getattr(replica, "info", None)
+    if replica.refused:
+        return replica.info, f"refused: {replica.refused}"
+    known = replica.info
     now = time.monotonic()
     with _cache_lock:
-        hit = _cache.get(replica) if not isinstance(replica, _Replica) else getattr(replica, "_hit", None)
-    breaker_open = getattr(getattr(replica, "breaker", None), "state", None) == "open"
+        hit = _cache.get(replica)
+    breaker_open = replica.breaker.state == OPEN
     if hit is not None and hit[0] > now and not (breaker_open and hit[2] == "reachable"):
         return hit[1] or known, hit[2]
     try:
         info = replica.client.info(timeout=DRAFT_INFO_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - grpc.RpcError or a closed channel: the draft is unreachable
-        code = getattr(e, "code", None)
-        name = code().name if callable(code) else type(e).__name__
+        name = e.code().name if isinstance(e, grpc.RpcError) else type(e).__name__
         prev = known or (hit[1] if hit is not None else None)  # what the draft said when it last answered
         entry = (now + DRAFT_RETRY_S, prev, f"unreachable: {name}")
     else:
         entry = (now + DRAFT_INFO_TTL_S, info, "reachable")
     with _cache_lock:
-        if isinstance(replica, _Replica):
-            replica._hit = entry
-        else:
-            _cache[replica] = entry
+        _cache[replica] = entry
     return entry[1], entry[2]
 
 
 REDACTED = "<redacted: admin only>"
 
 
-def _internal_addresses(servicer) -> set[str]:
-    """The addresses the outline may reveal: target, draft replicas, the store's host:port."""
-    found = {getattr(getattr(servicer, "target", None), "address", "")}
-    found |= {r.address for r in getattr(getattr(servicer, "targets", None), "replicas", [])}
-    found |= {getattr(r, "address", "") for r in _replicas(servicer)}
-    store_url = getattr(getattr(servicer, "store", None), "url", "") or ""
+def _internal_addresses(state: OutlineState) -> set[str]:
+    """The addresses the outline may reveal: target replicas, draft replicas, the store's host:port."""
+    found = {r.address for r in state.targets.replicas}
+    found |= {r.address for r in state.draft_replicas}
+    store_url = state.store_url
     try:
         parts = urlsplit(store_url)
         found |= {store_url, parts.netloc, parts.netloc.rpartition("@")[2]}
@@ -112,26 +106,25 @@ def redact_addresses(value, addresses: set[str]):
 
 
 def _model_dict(info) -> dict:
+    """A ModelInfo's name, strategy and the facts it reports (the ones it leaves empty left out)."""
     if info is None:
         return {}
     out = {"name": info.model_name, "strategy": info.strategy}
-    for key, field in (("vocabSize", "vocab_size"), ("maxContext", "max_context")):
-        value = getattr(info, field, 0)
-        if value:
-            out[key] = int(value)
-    for key in ("device", "dtype"):
-        value = getattr(info, key, "")
-        if value:
-            out[key] = value
-    if getattr(info, "tokenizer_fingerprint", ""):
+    if info.vocab_size:
+        out["vocabSize"] = int(info.vocab_size)
+    if info.max_context:
+        out["maxContext"] = int(info.max_context)
+    if info.device:
+        out["device"] = info.device
+    if info.dtype:
+        out["dtype"] = info.dtype
+    if info.tokenizer_fingerprint:
         out["tokenizerFingerprint"] = info.tokenizer_fingerprint[:12]
     return out
 
 
-def _tree_settings(cfg) -> dict:
-    """Any tree-speculation settings the loop config has (none in a chain-only build)."""
-    if not dataclasses.is_dataclass(cfg):
-        return {}
+def _tree_settings(cfg: LoopConfig) -> dict:
+    """The loop config's tree-speculation settings that are set."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if "tree" in f.name and getattr(cfg, f.name) not in (None, 0, False, "", (), [])}
 
@@ -156,17 +149,14 @@ def _measured_latency_ms() -> dict:
     return out
 
 
-def _draft_view(servicer) -> dict:
+def _draft_view(state: OutlineState) -> dict:
     """Per-replica info and status, and the first known ModelInfo."""
     reps = []
     info = None
-    for r in _replicas(servicer):
+    for r in state.draft_replicas:
         r_info, status = _replica_info(r)
         info = info or r_info
-        entry = {"address": r.address, "status": status}
-        breaker = getattr(r, "breaker", None)
-        if breaker is not None and getattr(breaker, "state", None):
-            entry["breaker"] = breaker.state
+        entry = {"address": r.address, "status": status, "breaker": r.breaker.state}
         if r_info is not None:
             entry["model"] = r_info.model_name
         reps.append(entry)
@@ -183,8 +173,8 @@ def _draft_status(view: dict) -> str:
     return f"{len(up)} of {len(reps)} replicas reachable"
 
 
-def _draft_strategy(servicer, view: dict) -> dict:
-    cfg = servicer.cfg
+def _draft_strategy(state: OutlineState, view: dict) -> dict:
+    cfg = state.cfg
     info, reps = view["info"], view["replicas"]
     status = _draft_status(view)
     tree = _tree_settings(cfg)
@@ -211,7 +201,7 @@ def _draft_strategy(servicer, view: dict) -> dict:
     default_k, max_k = cfg.default_draft_len, cfg.max_draft_len
     adaptive = bool(cfg.adaptive_draft_len)
     goodput = adaptive and cfg.draft_len_policy == "goodput" and \
-        servicer.measured.target_cost is not None
+        state.measured.target_cost is not None
     if goodput:
         policy = (f"adaptive per session (goodput): each step drafts the k in 0..{max_k} that maximises expected "
                   "tokens per ms, (1 - a^(k+1)) / (1 - a) over the target's measured forward cost for k + 1 tokens "
@@ -258,11 +248,8 @@ def _draft_strategy(servicer, view: dict) -> dict:
     return out
 
 
-def _verification(servicer) -> dict:
-    replicas = getattr(getattr(servicer, "targets", None), "replicas", None)
-    target = getattr(servicer, "target", None)
-    where = (", ".join(r.address for r in replicas) if replicas else getattr(target, "address", "")) or \
-        "the target service"
+def _verification(state: OutlineState) -> dict:
+    where = ", ".join(r.address for r in state.targets.replicas) or "the target service"
     return {
         "scheme": "greedy when temperature is 0, rejection sampling otherwise (chosen per request)",
         "greedy": ("accept draft tokens while each equals the target's argmax; the first mismatch is replaced "
@@ -284,12 +271,12 @@ def _verification(servicer) -> dict:
                      "min(1, p_j(x_j)/q_j(x_j)) and else continuing with p_{j+1} = norm(max(0, p_j - q_j)) "
                      "(SpecInfer multi-step speculative sampling; siblings drawn without replacement, q_j zeroes the "
                      "earlier siblings); only the accepted path's KV is kept")}
-           if _tree_settings(getattr(servicer, "cfg", None)) else {}),
+           if _tree_settings(state.cfg) else {}),
     }
 
 
-def _acceptance(servicer) -> dict:
-    snap = servicer.measured.window.snapshot()
+def _acceptance(state: OutlineState) -> dict:
+    snap = state.measured.window.snapshot()
     rate = snap.get("acceptance_rate")
     out = {
         "value": round(rate, 4) if rate is not None else None,
@@ -306,21 +293,16 @@ def _acceptance(servicer) -> dict:
     return out
 
 
-def _failure_mode(servicer, view: dict) -> dict:
+def _failure_mode(state: OutlineState, view: dict) -> dict:
     from specdec import observability as telemetry
 
-    cfg = servicer.cfg
-    pool = getattr(servicer, "pool", None)
-    breaker = None
-    if pool is not None and getattr(pool, "replicas", None):
-        breaker = getattr(pool.replicas[0], "breaker", None)
-    open_s = getattr(breaker, "base_open_s", None)
-    max_open_s = getattr(breaker, "max_open_s", None)
+    cfg = state.cfg
     chunk = cfg.fallback_chunk
-    if open_s is not None:
-        breaker_text = (f"that replica's circuit breaker opens for {open_s:g} s (doubling after a failed probe, up to "
-                        f"{max_open_s:g} s; a passing health check every {getattr(pool, 'health_interval_s', 0.5):g} s "
-                        "lets one probe call through)")
+    if state.draft_replicas:
+        timings = state.drafts.settings
+        breaker_text = (f"that replica's circuit breaker opens for {timings.breaker_open_s:g} s (doubling after a "
+                        f"failed probe, up to {timings.breaker_max_open_s:g} s; a passing health check every "
+                        f"{timings.health_interval_s:g} s lets one probe call through)")
     else:
         breaker_text = "the draft is skipped for a short cool-down before it is tried again"
     out = {
@@ -380,8 +362,8 @@ def estimate_speedup(acceptance: dict, measured: dict, target_step_ms: float | N
                          "note": "sequential steps; a pipelined step drafts the next block during the verify"}}
 
 
-def _trade_off(servicer, acceptance: dict) -> dict:
-    cfg = servicer.cfg
+def _trade_off(state: OutlineState, acceptance: dict) -> dict:
+    cfg = state.cfg
     default_k = cfg.default_draft_len
     out = {
         "summary": ("each speculative step spends one draft call (k small-model forwards, or a lookup for n-gram) "
@@ -400,22 +382,21 @@ def _trade_off(servicer, acceptance: dict) -> dict:
         measured["tokensPerVerifyStep"] = mal
     if measured:
         out["measured"] = measured
-    profile = list(getattr(getattr(servicer, "target_info", None), "forward_ms", None) or [])
+    profile = list(state.target_info.forward_ms)
     out.update(estimate_speedup(acceptance, measured, profile[0] if profile else None))
     return out
 
 
 def build_outline(servicer, show_addresses: bool = True) -> dict:
-    """The outline; without show_addresses, internal addresses (target, drafts, store) are replaced."""
-    view = _draft_view(servicer)
+    """The outline of an OrchestratorServicer (read through its outline_state()); without show_addresses,
+    internal addresses (target, drafts, store) are replaced."""
+    state: OutlineState = servicer.outline_state()
+    view = _draft_view(state)
     status = _draft_status(view)
-    target = getattr(servicer, "target", None)
-    store = getattr(servicer, "store", None)
-    store_url = getattr(store, "url", "") or ""
-    acceptance = _acceptance(servicer)
-    active = getattr(servicer, "_active", None)
+    store_url = state.store_url
+    acceptance = _acceptance(state)
 
-    models = {"target": _model_dict(servicer.target_info)}
+    models = {"target": _model_dict(state.target_info)}
     if not view["replicas"]:
         models["draft"] = {"name": "none", "status": "not configured"}
     else:
@@ -424,26 +405,26 @@ def build_outline(servicer, show_addresses: bool = True) -> dict:
     components = {
         "orchestrator": {"role": "public gRPC API (specdec.v1.Orchestrator); runs the draft/verify loop and owns "
                                  "session state",
-                         "activeStreams": len(active) if active is not None else 0},
+                         "activeStreams": state.active_streams},
         "targetService": {"role": "holds the target model and per-session KV caches; verifies drafts and decodes",
-                          "address": getattr(target, "address", "")},
+                          "address": state.targets.replicas[0].address if state.targets.replicas else ""},
         "draftService": ({"role": "proposes draft tokens from its own per-session state",
                           "replicas": [r["address"] for r in view["replicas"]], "status": status}
                          if view["replicas"] else {"role": "none", "status": "not configured"}),
         "sessionStore": {"kind": ("redis" if store_url.startswith(("redis", "unix")) else
-                                  (store_url.split(":")[0] or type(store).__name__)),
+                                  (store_url.split(":")[0] or "unknown")),
                          "url": redact_url(store_url),
                          "role": "prompt, committed tokens, parameters, RNG step and cache positions per session"},
     }
     outline = {
         "system": "specdec: disaggregated speculative decoding (draft and target as separate gRPC services)",
-        "draftStrategy": _draft_strategy(servicer, view),
-        "verification": _verification(servicer),
+        "draftStrategy": _draft_strategy(state, view),
+        "verification": _verification(state),
         "acceptanceRate": acceptance,
-        "failureMode": _failure_mode(servicer, view),
-        "tradeOff": _trade_off(servicer, acceptance),
+        "failureMode": _failure_mode(state, view),
+        "tradeOff": _trade_off(state, acceptance),
         "components": components,
         "models": models,
         "generatedAt": round(time.time(), 3),
     }
-    return outline if show_addresses else redact_addresses(outline, _internal_addresses(servicer))
+    return outline if show_addresses else redact_addresses(outline, _internal_addresses(state))

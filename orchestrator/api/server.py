@@ -151,6 +151,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         old, self.targets = self.targets, TargetPool.of_client(client)
         old.close()
 
+    def outline_state(self):
+        """What GetOutline reads (orchestrator/api/outline.py's OutlineState), as configured now."""
+        from orchestrator.api.outline import OutlineState
+
+        with self._active_lock:
+            active = len(self._active)
+        return OutlineState(self.cfg, self.measured, self.target_info, self.targets, self.pool, self.store.url, active)
+
     @property
     def backends(self) -> Backends:
         """What a generation calls, as configured now (a test may swap the pool)."""

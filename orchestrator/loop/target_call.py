@@ -148,10 +148,13 @@ class TargetCall:
 
     def _open_stream(self, total: int, degraded: bool):
         state, rec, cfg = self.state, self.state.rec, self.state.cfg
-        block = max(1, cfg.fallback_chunk)
-        # A target-only generation's first token goes out at once; a paused session's blocks stay its steps (the
-        # draft-length policy probes again after a number of them, at the positions plain Decode calls reached).
-        first = 1 if not rec.generated and not rec.params.speculation else block
+        target_only = state.backends.pool is None or not rec.params.speculation
+        # A target-only generation's first token goes out at once, then blocks of stream_block_tokens: each block
+        # wakes the target's gRPC thread, this process, Redis and the client, on the cores the target computes on.
+        # A paused session's blocks stay its steps (the draft-length policy probes again after a number of them,
+        # at the positions plain Decode calls reached).
+        block = max(1, cfg.stream_block_tokens if target_only else cfg.fallback_chunk)
+        first = 1 if not rec.generated and target_only else block
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
             self.stream = self.call(lambda t: self.client.decode_stream(state.decode_call(total, block, first), t,

@@ -47,6 +47,9 @@ class _Context:
     def invocation_metadata(self):
         return ()
 
+    def is_active(self) -> bool:
+        return True  # an in-process call is never cancelled under it
+
 
 class _Method:
     """A servicer method with the call shapes of a grpc stub method: call(request, timeout=...) and .future()."""
