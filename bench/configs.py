@@ -35,10 +35,17 @@ class Config:
     orchestrator: str | None = None  # the BenchServices orchestrator it talks to
     orchestrator_extra: list[str] = field(default_factory=list)  # that orchestrator's flags beyond the common ones
     orchestrator_flags: list[str] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each process used during the timed samples
 
     def tokens_per_s(self) -> float:
         wall = sum(s.wall_s for s in self.samples)
         return sum(len(s.tokens) for s in self.samples) / wall if wall else 0.0
+
+    def add_cpu(self, before: dict[str, float], after: dict[str, float]) -> None:
+        """Count one timed sample's CPU time per process (BenchServices.cpu_seconds before and after it)."""
+        for name, t in after.items():
+            if name in before:
+                self.cpu_s[name] = self.cpu_s.get(name, 0.0) + t - before[name]
 
     @property
     def speculative(self) -> bool:

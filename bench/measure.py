@@ -273,7 +273,8 @@ def _stream_costs(target, sid: str, ctx: list[int], greedy, tokens: int = 32, bl
             "target_stream_tokens": n + len(stream.first.tokens), "target_stream_block_tokens": block}
 
 
-def target_only_breakdown(row: dict, llamacpp_tokens_per_s: float | None) -> dict | None:
+def target_only_breakdown(row: dict, llamacpp_tokens_per_s: float | None,
+                          llamacpp_cpu: dict | None = None) -> dict | None:
     """Where each ms of a target-only token through the stack goes (the configuration's own service stats): the
     engine's decode time, the target calls' round trips beyond it, the Redis commit the steps waited for, the rest
     of the orchestrator and the client's stream; next to plain llama.cpp's ms a token on the same cores."""
@@ -287,10 +288,15 @@ def target_only_breakdown(row: dict, llamacpp_tokens_per_s: float | None) -> dic
            "redis_commit_critical": commit, "orchestrator_and_client_rest": max(0.0, wall - engine - rpc - commit),
            "llamacpp": 1e3 / llamacpp_tokens_per_s if llamacpp_tokens_per_s else None}
     out["vs_llamacpp"] = wall - out["llamacpp"] if out["llamacpp"] else None
+    out["cpu_ms_per_token"] = row.get("cpu_ms_per_token")
+    out["llamacpp_cpu_ms_per_token"] = (llamacpp_cpu or {}).get("bench clients")
     out["note"] = ("ms per generated token of specdec-target-only (prefill included as the engine's), from the "
                    "orchestrator's stats; target_rpc_beyond_engine = round trips the steps waited for beyond the "
                    "engine's reported time (a decode stream's blocks arrive while the next ones decode); "
-                   "vs_llamacpp = client_wall - llamacpp")
+                   "vs_llamacpp = client_wall - llamacpp; cpu_ms_per_token = CPU time of each process during "
+                   "the target-only samples per generated token (bench clients = this process), against plain "
+                   "llama.cpp's in this process (llamacpp_cpu_ms_per_token): what each process takes from the "
+                   "cores llama.cpp's threads run on")
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 

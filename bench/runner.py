@@ -341,9 +341,11 @@ def _single_session_rounds(bench: BenchRun, live: list[Config]) -> None:
                     progress.update(1)
                     continue
                 progress.set_postfix_str(f"round {r + 1} {prompt.name} {cfg.name}")
+                cpu0 = bench.services.cpu_seconds()
                 s = _run_one(cfg, bench.ids[prompt.name], args.max_new_tokens, prompt.name, r)
                 if s is not None:
                     cfg.samples.append(s)
+                    cfg.add_cpu(cpu0, bench.services.cpu_seconds())
                 progress.update(1)
     bench.phase("single_session_configs")
 
@@ -423,8 +425,9 @@ def _result(bench: BenchRun, cfgs: list[Config], session_rows: list[dict], micro
     res = assemble(bench, Measured(rows, session_rows, micro, overheads))
     res.update(headline_vs_llamacpp(res, args.threads, os.cpu_count() or 1, services.target_threads))
     target_only_row = next((r for r in rows if r["name"] == "specdec-target-only"), {})
-    res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(target_only_row,
-                                                                         res.get("llamacpp_tokens_per_s"))
+    plain_row = next((r for r in rows if r["name"] == f"{PLAIN}-t{res.get('llamacpp_threads')}"), {})
+    res["overheads"]["target_only_ms_per_token"] = target_only_breakdown(
+        target_only_row, res.get("llamacpp_tokens_per_s"), plain_row.get("cpu_ms_per_token"))
     res["target_only_vs_llamacpp"] = analysis.ratio(res.get("target_only_tokens_per_s"),
                                                     res.get("llamacpp_tokens_per_s"))
     res.update(llama_server_keys(res))

@@ -212,17 +212,17 @@ class BenchServices:
         return self.launch().wait(timeout)
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system, all threads) each service process and this process (the clients) have used."""
+        """CPU time (user + system, all threads) each service process, Redis and this process (the clients) have
+        used."""
         out = {"bench clients": sum(os.times()[:2])}
-        tick = os.sysconf("SC_CLK_TCK")
-        for name, p in self.procs.items():
-            if p.proc is None:
-                continue
-            try:
-                fields = pathlib.Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # not Linux, or it exited
-                continue
-            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        pids = {name: p.proc.pid for name, p in self.procs.items() if p.proc is not None}
+        redis = getattr(self.redis, "proc", None)
+        if redis is not None:
+            pids["redis"] = redis.pid
+        for name, pid in pids.items():
+            used = _process_cpu_s(pid)
+            if used is not None:
+                out[name] = used
         return out
 
     def stop(self) -> None:
@@ -239,3 +239,12 @@ class BenchServices:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """A process's CPU seconds (user + system) from /proc; None where there is none (not Linux, or it exited)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -46,6 +46,10 @@ def summarise_config(cfg: Config, baseline: Config | None, micro: dict, strategy
     tokens = sum(len(s.tokens) for s in cfg.samples)
     wall = sum(s.wall_s for s in cfg.samples)
     out.update(samples=len(cfg.samples), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall if wall else None)
+    if cfg.cpu_s and tokens:
+        # CPU ms per generated token of each process (the bench process runs the clients and the in-process rows):
+        # what a configuration costs the cores, less sensitive than wall time to other jobs on a shared host
+        out["cpu_ms_per_token"] = {k: round(1e3 * v / tokens, 3) for k, v in sorted(cfg.cpu_s.items())}
     out.update(_against_target_only(cfg, baseline, out["tokens_per_s"]))
     out["output_matches_target_only"] = _output_matches(cfg, reference_tokens, engine)
     if cfg.kind.startswith("hf-"):
@@ -447,7 +451,17 @@ def _why_llamacpp(value: float, thr: float, head: dict, cfgs: dict, res: dict) -
             f"tok/s; per token {_fmt(b.get('client_wall'))} ms, of which the engine "
             f"{_fmt(b.get('target_engine'))}, target round trips waited beyond it "
             f"{_fmt(b.get('target_rpc_beyond_engine'))}, Redis commits waited {_fmt(b.get('redis_commit_critical'))},"
-            f" the rest {_fmt(b.get('orchestrator_and_client_rest'))} (plain llama.cpp {_fmt(b.get('llamacpp'))})")
+            f" the rest {_fmt(b.get('orchestrator_and_client_rest'))} (plain llama.cpp {_fmt(b.get('llamacpp'))})"
+            + _cpu_per_token(b))
+
+
+def _cpu_per_token(b: dict) -> str:
+    """Each process's CPU ms per token during target-only decoding, against plain llama.cpp's."""
+    cpu = b.get("cpu_ms_per_token")
+    if not cpu:
+        return ""
+    parts = ", ".join(f"{name} {_fmt(ms)}" for name, ms in cpu.items() if ms)
+    return f"; CPU ms a token: {parts} (plain llama.cpp {_fmt(b.get('llamacpp_cpu_ms_per_token'))})"
 
 
 _WHY = {  # target key -> why it was met or missed

@@ -54,6 +54,9 @@ class LoopConfig:
         0.0, "tree speculation: branch where the draft's top probability is below this (0 = default, 0.75)")
     fallback_chunk: int = setting(
         4, "tokens per target-only Decode call (degraded, paused by the draft length, or speculation off)")
+    stream_block_tokens: int = setting(
+        16, "tokens per block of a target-only generation's decode stream after its first token, which goes out "
+        "at once (each block costs a wake-up of the target's stream thread, the orchestrator, Redis and the client)")
     draft_timeout_floor_ms: float = setting(100.0, "the shortest deadline of a Propose call")
     draft_timeout_factor: float = setting(
         2.0, "a Propose's deadline: this x the measured target step time (a slower draft is no help)")

@@ -191,6 +191,18 @@ def test_bench_overhead_share_comes_from_the_orchestrator_stats(bench_run):
 
 
 @ON_THE_RUN
+def test_bench_counts_each_processs_cpu_time_per_token(bench_run):
+    """Every timed specdec configuration carries the CPU ms per generated token of the processes that served it
+    (read from /proc around each sample), and the target-only breakdown repeats it: the target burned CPU for its
+    forwards, the orchestrator and Redis for the blocks, the bench process for its client."""
+    res, _ = bench_run
+    rows = {c["name"]: c for c in res["configs"]}
+    cpu = rows["specdec-target-only"]["cpu_ms_per_token"]
+    assert {"target", "redis", "bench clients"} <= set(cpu)
+    assert sum(cpu.values()) > 0 and all(v >= 0 for v in cpu.values())
+    assert res["overheads"]["target_only_ms_per_token"]["cpu_ms_per_token"] == cpu
+
+
 def test_bench_writes_table_and_plot(bench_run):
     res, out = bench_run
     md = (out / "latest.md").read_text()

@@ -437,3 +437,53 @@ def test_closing_an_open_stream_for_a_verify_is_priced():
         cost.observe_switch(3, server_ms=cost.forward(3) + 4.0)
     assert d.switch_ms() == pytest.approx(4.0 + 2.0)
     assert cost.load.value is None  # kept apart from what a verify's forward costs
+
+
+def test_a_long_context_makes_every_token_of_a_block_dearer_and_long_blocks_pay_less():
+    """The profile is measured after a short context; after 1.5k tokens each token also pays its attention over
+    them (~9 ms a token after a short prompt, ~37 ms after 1.4k on llama.cpp here). Measured by Decode steps per
+    context bucket, that extra is added per token of a block: a block at ~0.88 acceptance that pays after a
+    short prompt does not after a long one, where only a near-certain copy still beats the stream."""
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(40):
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True, context=100)
+        cost.observe(1, server_ms=4 * 40.0, calls=4, decode=True, context=1500)
+    assert cost.attention_ms(100) == 0.0 and cost.attention_ms(1500) == pytest.approx(30.0)
+    assert cost.decode_load.value == pytest.approx(1.0)  # the context's share is not taken for load
+    assert cost.stream_token_ms(context=1500) == pytest.approx(40.0)
+    assert cost.step_ms(8, calls_per_token=0.0, context=1500) == pytest.approx(cost.forward(8) + 8 * 30.0)
+    ev = DraftEvidence()
+    for _ in range(200):
+        for accepted in (8, 3, 3):  # 14 accepted, 2 rejected: ~0.88 a token
+            ev.update([2.0**9] * 8, verified=8, accepted=accepted)
+        ev.update([2.0**18] * 32, verified=32, accepted=32)
+    d = GoodputDraftLength(63, cost, evidence=ev)
+    d.use_free_drafter(True)
+    assert d.verify_len([2.0**9] * 8, limit=63) >= 1  # after a short prompt it pays
+    d.context = 1500
+    assert d.verify_len([2.0**9] * 8, limit=63) == 0
+    assert d.verify_len([2.0**18] * 32, limit=63) >= 4
+
+
+def test_an_untested_match_starts_from_the_tested_weaker_ones_and_is_explored_only_without_a_stream_to_close():
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(50):
+        ev.update([2.0**9] * 8, verified=8, accepted=8)  # bucket 3: ~always accepted
+    assert ev.monotone_acceptance(2.0**18, tested=4.0) >= ev.acceptance(2.0**9) > 0.9  # untested, above it
+    assert ev.monotone_acceptance(2.0**3, tested=4.0) == ev.acceptance(2.0**3) == 0.5  # untested, below it
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(40):
+        cost.observe_step(2.0 + 20.0, server_ms=20.0)
+    d = GoodputDraftLength(63, cost, evidence=ev)
+    d.use_free_drafter(True)
+    assert d.verify_len([2.0**3] * 3, limit=63) >= 1  # untested and no stream open: tried for a Verify's cost
+    d.context = 1500
+    assert d.verify_len([2.0**3] * 3, limit=63) == 0  # nor where a token's cost at this context is not measured
+    d.context = 0
+    d.stream_open = True
+    assert d.verify_len([2.0**3] * 3, limit=63) == 0  # not worth closing the stream to test
+    assert d.verify_len([2.0**18] * 16, limit=63) >= 8  # priced from bucket 3's record: a long block pays

@@ -263,7 +263,9 @@ def test_suffix_drafts_long_blocks_where_the_reply_repeats_and_none_that_do_not_
             again = cheap.client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
             assert first.token_ids == ref.token_ids and again.token_ids == ref.token_ids
             st = again.stats
-            assert st["draft_tokens_accepted"] >= MAX_NEW // 2, st  # the earlier reply is drafted
+            # the earlier reply is drafted (its first tokens may come from the decode stream, until the match is
+            # long enough to pay for closing it)
+            assert st["draft_tokens_accepted"] >= MAX_NEW // 3, st
             # in blocks that double with the match (1, 2, 4, 8, 16 tokens ...)
             assert st["draft_tokens_proposed"] / st["verify_steps"] > 4, st
     finally:

@@ -145,10 +145,45 @@ def test_a_free_drafters_weak_drafts_decode_on_the_stream_as_a_target_only_sessi
 
 
 def test_a_streaming_session_switches_to_a_verify_when_its_drafter_finds_a_strong_match():
-    """Blocks of the stream until a long confident match turns up; its Verify closes the stream, and the
-    session takes the rest from a new stream once the drafts are weak again."""
+    """Blocks of the stream until a long confident match turns up; its Verify closes the stream; the weak steps
+    right after it decode 1, then 2 tokens (a copy often goes on after a word or two, and then needs no stream
+    closed), and the session takes the rest from a new stream."""
     out = run_session(True, llamacpp_profile(), strategy="suffix", evidence=_evidence(2.0**2, 2.0**18),
                       drafts=lambda i: [5] * 8 if i == 2 else [5, 6, 7],  # the third lookup finds a quotation
                       score=lambda draft: 2.0**18 if len(draft) == 8 else 2.0**2, accept=len)
-    assert out["verify"] == [8] and out["unary"] == []
-    assert out["streams"] == [NEW_TOKENS, NEW_TOKENS - 2 * 4 - 9]  # two blocks, 8 accepted + the bonus, the rest
+    assert out["verify"] == [8] and out["unary"] == [1, 2]
+    assert out["streams"] == [NEW_TOKENS, NEW_TOKENS - 2 * 4 - 9 - 3]  # 2 blocks, 8 accepted + the bonus, 1 + 2
+
+
+def _opened_stream(speculation: bool, generated: list[int], **cfg) -> tuple[int, int]:
+    """(block_tokens, first_block_tokens) of the DecodeStream a session's TargetCall opens."""
+    from orchestrator.loop.target_call import TargetCall
+
+    rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation,
+                                         "draft_len_limit": 16})
+    rec.generated = list(generated)
+    replica = types.SimpleNamespace(address="local:ngram", info=None)
+    backends = Backends(None, types.SimpleNamespace(replicas=[replica]), None, set(), 100)
+    state = LoopState(rec, LoopConfig(**cfg), backends, Measurements(), StreamControl())
+    target, opened = TargetCall(state), []
+
+    class Client:
+        def decode_stream(self, call, timeout, wait_for_ready):
+            opened.append((call.block_tokens, call.first_block_tokens))
+            return types.SimpleNamespace(first=DecodeReply([7], len(rec.committed), 1.0, False))
+
+    target.client = Client()
+    target.call = lambda fn, what: fn(1.0)
+    target.stream_block(NEW_TOKENS, degraded=False)
+    return opened[0]
+
+
+def test_a_target_only_stream_sends_its_first_token_at_once_then_large_blocks():
+    """Each block of a decode stream wakes the target's stream thread, the orchestrator, Redis and the client: a
+    target-only generation takes its tokens in blocks of stream_block_tokens after a first block of one token
+    (TTFT), a paused speculative session in blocks of fallback_chunk (each block one of its policy's steps)."""
+    assert _opened_stream(False, []) == (16, 1)
+    assert _opened_stream(False, [], stream_block_tokens=8) == (8, 1)
+    assert _opened_stream(False, [5, 6]) == (16, 16)  # a stream reopened mid-generation: no early first block
+    assert _opened_stream(True, []) == (4, 4)  # paused by the draft length: its steps
+    assert _opened_stream(True, [], fallback_chunk=2, stream_block_tokens=8) == (2, 2)

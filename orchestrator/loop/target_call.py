@@ -97,10 +97,10 @@ class TargetCall:
         state.count_overhead(t0, v.verify_ms)
         cost = state.measured.target_cost
         if not tree and cost is not None and rec.target_pos == ctx - 1 and switched:
-            cost.observe_switch(len(reply.tokens) + 1, v.verify_ms)
+            cost.observe_switch(len(reply.tokens) + 1, v.verify_ms, ctx)
             state.step_server_ms = v.verify_ms
         elif not tree and cost is not None and rec.target_pos == ctx - 1:  # a plain step: last token + the drafts
-            cost.observe(len(reply.tokens) + 1, v.verify_ms)
+            cost.observe(len(reply.tokens) + 1, v.verify_ms, context=ctx)
             state.step_server_ms = v.verify_ms
         return v
 
@@ -115,7 +115,7 @@ class TargetCall:
         state.count_overhead(t0, d.decode_ms)
         cost = state.measured.target_cost
         if cost is not None and plain and d.tokens:
-            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True)
+            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True, context=len(rec.committed))
             if not degraded:
                 state.step_server_ms = d.decode_ms
         rec.target_pos = d.cached_len
@@ -128,6 +128,7 @@ class TargetCall:
         on (as any call's), a new stream then opening on the next usable replica."""
         state, rec = self.state, self.state.rec
         d = None
+        plain = self.stream is not None or rec.target_pos == len(rec.committed) - 1  # no prefill in this block
         if self.stream is not None and state.target_seat is not None:
             replica = state.target_replica()  # the session's replica left the pool, or failed: move with it
             if replica is None or replica.client is not self.stream_client:
@@ -140,17 +141,20 @@ class TargetCall:
         if d is None:
             d = self._open_stream(total, degraded)
         cost = state.measured.target_cost
-        if cost is not None and len(d.tokens) > 1:  # the target's time a token; no per-call overhead (no call)
-            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True)
+        if cost is not None and plain and len(d.tokens) > 1:  # the target's time a token; no call overhead
+            cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True, context=len(rec.committed))
         rec.target_pos = d.cached_len
         return d
 
     def _open_stream(self, total: int, degraded: bool):
         state, rec, cfg = self.state, self.state.rec, self.state.cfg
-        block = max(1, cfg.fallback_chunk)
-        # A target-only generation's first token goes out at once; a paused session's blocks stay its steps (the
-        # draft-length policy probes again after a number of them, at the positions plain Decode calls reached).
-        first = 1 if not rec.generated and not rec.params.speculation else block
+        target_only = state.backends.pool is None or not rec.params.speculation
+        # A target-only generation's first token goes out at once, then blocks of stream_block_tokens: each block
+        # wakes the target's gRPC thread, this process, Redis and the client, on the cores the target computes on.
+        # A paused session's blocks stay its steps (the draft-length policy probes again after a number of them,
+        # at the positions plain Decode calls reached).
+        block = max(1, cfg.stream_block_tokens if target_only else cfg.fallback_chunk)
+        first = 1 if not rec.generated and target_only else block
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
             self.stream = self.call(lambda t: self.client.decode_stream(state.decode_call(total, block, first), t,

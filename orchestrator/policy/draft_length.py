@@ -37,6 +37,7 @@ class DraftLength:
 
     free = False  # heuristic and fixed lengths treat every drafter alike (use_free_drafter)
     stream_open = False  # set by the step; nothing here prices it
+    context = 0
 
     def __init__(self, start: int, max_len: int, adaptive: bool):
         self.k = max(1, min(start, max_len))
@@ -105,7 +106,16 @@ class TargetCost:
     Verify and Decode calls keep separate observed / profiled ratios: they take different paths through a target
     (a Decode's steps run back to back in one call; a Verify's rows go through the verifier), so each engine adds
     a different cost per forward to each, and one shared ratio would cost target-only steps by Verify
-    measurements and the reverse."""
+    measurements and the reverse.
+
+    A long context adds attention to every token a forward carries, which the profile (after 32 tokens of context)
+    does not show: on llama.cpp here one token costs ~9 ms after a short prompt and ~37 ms after 1.4k tokens, so a
+    block of n tokens costs about n times that extra on top of its profiled forward, and the curve's gain from long
+    blocks shrinks. Decode steps measure it per context bucket (powers of two from 256 tokens): attention_ms(c), a
+    token's cost at context c beyond its cost in the shortest bucket measured, is added per token to every forward
+    at that context (and taken out of what the observed / profiled ratios learn)."""
+
+    SHORT_CONTEXT = 256  # contexts below this share the first bucket (the profile's own)
 
     def __init__(self, forward_ms: list[float], max_batch: int = 1, sessions=lambda: 1):
         self.forward_ms = [float(x) for x in forward_ms]
@@ -117,6 +127,7 @@ class TargetCost:
         self.overhead_ms = Ema()
         self.block = Ema()  # tokens per session in the target's calls
         self.switch_wait_ms = Ema()  # a Verify that closed the session's decode stream: its wait for the stream
+        self.token_ms_at: dict[int, Ema] = {}  # context bucket -> ms per target-only token measured there
 
     def rows(self) -> int:
         return max(1, min(self.max_batch, int(self.sessions())))
@@ -130,24 +141,47 @@ class TargetCost:
         slope = (f[-1] - f[mid - 1]) / max(1, len(f) - mid)
         return f[-1] + slope * (tokens - len(f))
 
-    def observe(self, tokens: int, server_ms: float, calls: int = 1, decode: bool = False) -> None:
-        """A target call that ran forwards over `tokens` new tokens each (`calls` of them), taking server_ms on
-        the target; `decode`: a target-only Decode call (its steps), else a Verify."""
+    @classmethod
+    def context_bucket(cls, context: int) -> int:
+        return max(0, int(context) // cls.SHORT_CONTEXT).bit_length()
+
+    def attention_ms(self, context: int) -> float:
+        """A token's extra cost at this context over the shortest context bucket measured (0 until both are)."""
+        b = self.context_bucket(context)
+        here = self.token_ms_at.get(b)
+        if b == 0 or here is None:
+            return 0.0
+        base = next((self.token_ms_at[i].value for i in sorted(self.token_ms_at) if i < b), None)
+        return 0.0 if base is None else max(0.0, here.value - base)
+
+    def context_measured(self, context: int) -> bool:
+        """Whether a token's cost at this context is known (its bucket measured, or the profile's own)."""
+        b = self.context_bucket(context)
+        return b == 0 or b in self.token_ms_at
+
+    def observe(self, tokens: int, server_ms: float, calls: int = 1, decode: bool = False, context: int = 0) -> None:
+        """A target call that ran forwards over `tokens` new tokens each (`calls` of them) after `context` tokens,
+        taking server_ms on the target; `decode`: a target-only Decode call (its steps), else a Verify."""
         if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
         with self._lock:
+            per_call = server_ms / calls
+            if decode and tokens == 1:
+                self.token_ms_at.setdefault(self.context_bucket(context), Ema()).observe(per_call)
             self.block.observe(tokens)
-            ratio = server_ms / (calls * self.batched_forward(tokens, self.rows()))
+            own = max(0.1 * per_call, per_call - tokens * self.attention_ms(context))
+            ratio = own / self.batched_forward(tokens, self.rows())
             (self.decode_load if decode else self.load).observe(ratio)
 
-    def observe_switch(self, tokens: int, server_ms: float) -> None:
+    def observe_switch(self, tokens: int, server_ms: float, context: int = 0) -> None:
         """A Verify over `tokens` tokens sent right after closing the session's decode stream, taking server_ms: the
         target first finishes the stream's step in flight (the session's earlier work), so it waits beyond its
         forward. Kept apart from the Verify load (it would make every verify look dearer) as the switch's cost."""
         if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
         with self._lock:
-            forward = self.batched_forward(tokens, self.rows()) * self.load.get(self.decode_load.get(1.0))
+            forward = (self.batched_forward(tokens, self.rows()) * self.load.get(self.decode_load.get(1.0))
+                       + tokens * self.attention_ms(context))
             self.switch_wait_ms.observe(max(0.0, server_ms - forward))
 
     def batched_forward(self, tokens: int, rows: int) -> float:
@@ -161,18 +195,20 @@ class TargetCost:
             with self._lock:
                 self.overhead_ms.observe(max(0.0, step_ms - server_ms))
 
-    def stream_token_ms(self, rows: int = 1) -> float:
+    def stream_token_ms(self, rows: int = 1, context: int = 0) -> float:
         """ms per target-only token on the session's decode stream: the target's own step (as Decode steps measured
         it), no per-call overhead (the stream's blocks need no call, and their commits run off the stepper)."""
-        return self.step_ms(1, rows, calls_per_token=0.0, decode=True)
+        return self.step_ms(1, rows, calls_per_token=0.0, decode=True, context=context)
 
-    def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0, decode: bool = False) -> float:
-        """ms per call of a step over `tokens` tokens with `rows` sessions batched (`decode`: a target-only Decode
-        step, else a Verify); calls_per_token < 1 spreads the per-call overhead over the tokens of a multi-token
-        Decode. A kind not observed yet takes the other kind's ratio (load slows both)."""
+    def step_ms(self, tokens: int, rows: int = 1, calls_per_token: float = 1.0, decode: bool = False,
+                context: int = 0) -> float:
+        """ms per call of a step over `tokens` tokens with `rows` sessions batched after `context` tokens (`decode`:
+        a target-only Decode step, else a Verify); calls_per_token < 1 spreads the per-call overhead over the tokens
+        of a multi-token Decode. A kind not observed yet takes the other kind's ratio (load slows both)."""
         own, other = (self.decode_load, self.load) if decode else (self.load, self.decode_load)
         scale = own.get(other.get(1.0))
-        return self.batched_forward(tokens, rows) * scale + self.overhead_ms.get(0.0) * calls_per_token
+        return (self.batched_forward(tokens, rows) * scale + tokens * self.attention_ms(context)
+                + self.overhead_ms.get(0.0) * calls_per_token)
 
     @property
     def max_tokens(self) -> int:
@@ -240,6 +276,17 @@ class DraftEvidence:
         b = self.bucket(score)
         yes, no = self._accepted.get(b, 0.0), self._rejected.get(b, 0.0)
         return (yes + 1.0) / (yes + no + 2.0)
+
+    def monotone_acceptance(self, score: float, tested: float) -> float:
+        """acceptance(score), but never below that of a lower bucket with at least `tested` observations: a longer
+        or likelier match is not worse than a shorter one, so an untested bucket above a tested one starts from it
+        rather than from Beta(1, 1)'s 0.5 (which a block must beat by the cost of closing the decode stream)."""
+        b = self.bucket(score)
+        own = self.acceptance(score)
+        if self.observations(score) >= tested:
+            return own
+        below = [self.acceptance(8.0**i) for i in range(self.LOWEST, b) if self.observations(8.0**i) >= tested]
+        return max([own, *below])
 
     def update(self, scores: list[float], verified: int, accepted: int) -> None:
         """A block of `verified` scored tokens of which the first `accepted` were accepted: tokens up to and
@@ -372,6 +419,7 @@ class GoodputDraftLength:
         self.free = False  # set by the generation: the drafter is a FREE_DRAFTERS one (draft every step)
         self.streamed = True  # target-only tokens come from the session's decode stream (no call per block)
         self.stream_open = False  # set by the step: the session's decode stream is open (verifying closes it)
+        self.context = 0  # set by the step: the session's context length (TargetCost.attention_ms)
         self.k = self.best()
 
     @property
@@ -383,8 +431,8 @@ class GoodputDraftLength:
         """ms per target-only token: on the decode stream (a paused session; a free drafter's blocks that do not
         pay), else one Decode call per decode_chunk tokens."""
         if self.streamed:
-            return self.cost.stream_token_ms(rows)
-        return self.cost.step_ms(1, rows, 1.0 / self.decode_chunk, decode=True)
+            return self.cost.stream_token_ms(rows, self.context)
+        return self.cost.step_ms(1, rows, 1.0 / self.decode_chunk, decode=True, context=self.context)
 
     def switch_ms(self, rows: int = 1) -> float:
         """What a Verify costs beyond its own call while the session's decode stream is open: its wait for the
@@ -392,7 +440,7 @@ class GoodputDraftLength:
         the call that opens a stream again after it."""
         if not (self.streamed and self.stream_open):
             return 0.0
-        wait = self.cost.switch_wait_ms.get(self.cost.stream_token_ms(rows))
+        wait = self.cost.switch_wait_ms.get(self.cost.stream_token_ms(rows, self.context))
         return wait + self.cost.overhead_ms.get(0.0)
 
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
@@ -400,7 +448,7 @@ class GoodputDraftLength:
             return 1.0 / self.target_only_ms(rows)
         draft = self.draft_cost
         a = min(self.alpha if alpha is None else alpha, 0.999)
-        verify = self.cost.step_ms(k + 1, rows) + self.switch_ms(rows)
+        verify = self.cost.step_ms(k + 1, rows, context=self.context) + self.switch_ms(rows)
         drafting = k * draft.per_token(self._sessions())
         t = verify + draft.call_ms.get(0.0) + drafting
         if self.pipelined:
@@ -481,14 +529,15 @@ class GoodputDraftLength:
         best_d, best = 0, 0.0
         reach, expected, switch = 1.0, 1.0, self.switch_ms(rows)
         for d in range(1, min(len(scores), limit, self.cost.max_tokens - 1) + 1):
-            reach *= self.evidence.acceptance(scores[d - 1])
+            reach *= self.evidence.monotone_acceptance(scores[d - 1], self.EXPLORE_BELOW)
             expected += reach
-            rate = expected / (self.cost.step_ms(d + 1, rows) + switch)
+            rate = expected / (self.cost.step_ms(d + 1, rows, context=self.context) + switch)
             if rate > best:
                 best_d, best = d, rate
-        if (self.free and best_d and best <= self.tokens_per_ms(0, rows)
-                and self.evidence.observations(scores[0]) >= self.EXPLORE_BELOW):
-            return 0
+        explore = (switch == 0 and self.cost.context_measured(self.context)
+                   and self.evidence.observations(scores[0]) < self.EXPLORE_BELOW)
+        if self.free and best_d and best <= self.tokens_per_ms(0, rows) and not explore:
+            return 0  # an untested bucket is tried only where that costs just its Verify, at a known context cost
         return best_d
 
     def observe_evidence(self, scores: list[float], verified: int, accepted: int) -> None:
