@@ -26,7 +26,7 @@ class TargetSettings:
         "llamacpp (a GGUF in llama.cpp's quantized CPU kernels); auto: llamacpp for a GGUF on a CPU when "
         "llama-cpp-python is installed, else torch", choices=("auto", "llamacpp", "torch"))
     llama_context: int = setting(
-        0, "llama.cpp engine: KV cache cells in all, an upper bound (f16, 22.5 KiB a cell for SmolLM2); 0 = auto: "
+        0, "llama.cpp engine: KV cache cells in all, an upper bound (float16 keys and q8_0 values, 17.2 KiB a cell for SmolLM2); 0 = auto: "
         "a stream of --llama-session-context cells for each of --max-sessions sessions and one spare, within "
         "--max-cache-mb (llama.cpp allocates them all at start)")
     llama_session_context: int = setting(
