@@ -120,7 +120,7 @@ def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):
     from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
 
     long_ids = next(prompt_ids(engine, p.text) for p in BENCH_PROMPTS if p.kind == "summary")
-    assert len(long_ids) > 3 * SPLIT_SAFE_ROWS
+    assert len(long_ids) > 3 * engine.PREFILL_ROWS_PER_STEP
     short = prompt_ids(engine, PROMPTS[1])
     ref_long, ref_short = alone(engine, "rl", long_ids, 8), alone(engine, "rs", short, 40)
     with StepRecorder(engine) as rec:

@@ -5,8 +5,8 @@ slots): every session with work in flight contributes its next rows to ONE llama
   as long as it runs: no call per token, no batching window;
 * a verify block (`VerifyWork`) contributes its context delta and its k drafts: k + 1 rows of the budget;
 * a prefill (`PrefillWork`), or the long delta of a new or resynced session's first call, is fed in pieces of at
-  most SPLIT_SAFE_ROWS rows, a bounded number per step while other sessions are decoding, so a prompt does not
-  stall the running streams.
+  most SPLIT_SAFE_ROWS rows when it runs alone, of PREFILL_ROWS_PER_STEP while other sessions are decoding, so a
+  prompt does not stall the running streams.
 
 A session's rows in one step never exceed SPLIT_SAFE_ROWS (llama.cpp's per-sequence numerics are then those of
 feeding them one by one), so a session's tokens, KV and logits are the same whichever sessions share its steps."""
@@ -22,7 +22,7 @@ from specdec.core import sampling
 from specdec.core.kv_cache import ContextTooLong
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome
 
-SPLIT_SAFE_ROWS = 48  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
+SPLIT_SAFE_ROWS = 512  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
 
 log = logging.getLogger("specdec.target.llamacpp")
 
@@ -48,12 +48,15 @@ class Work:
     def admit(self, seq, new: list[int]) -> None:
         self.seq, self.rows = seq, new + self.extra_rows()
 
-    def next_piece(self) -> tuple[list[int], int]:
-        """(tokens to feed this step, logits rows wanted at their end): at most SPLIT_SAFE_ROWS rows; the final piece
-        holds every wanted row (n_logits <= the draft limit + 1 < SPLIT_SAFE_ROWS)."""
-        if len(self.rows) <= SPLIT_SAFE_ROWS:
+    def next_piece(self, limit: int = SPLIT_SAFE_ROWS) -> tuple[list[int], int] | None:
+        """(tokens to feed this step, logits rows wanted at their end): at most min(limit, SPLIT_SAFE_ROWS) rows, any
+        split of which gives the same KV and logits; the final piece holds every wanted row. None: no piece fits."""
+        limit = min(limit, SPLIT_SAFE_ROWS)
+        if len(self.rows) <= limit:
             return self.rows, self.n_logits
-        return self.rows[: len(self.rows) - SPLIT_SAFE_ROWS * ((len(self.rows) - 1) // SPLIT_SAFE_ROWS)], 0
+        if limit < max(1, self.n_logits):
+            return None  # the rows left after this piece must still hold the wanted ones
+        return self.rows[: len(self.rows) - limit * ((len(self.rows) - 1) // limit)], 0
 
     def fed(self, n: int) -> None:
         del self.rows[:n]
@@ -263,7 +266,7 @@ class StepLoop:
     """The step loop of target_service.engines.llamacpp.LlamaCppEngine (which provides the sessions' sequences,
     _sync, _decode, _crop and the queues): one thread, one llama_decode per step over every session's next rows."""
 
-    PREFILL_ROWS_PER_STEP = 2 * SPLIT_SAFE_ROWS  # prompt rows a step takes while other sessions generate
+    PREFILL_ROWS_PER_STEP = 96  # prompt rows a step takes while other sessions generate (alone: SPLIT_SAFE_ROWS)
 
     def _step_loop(self) -> None:
         self._compute_ident = threading.get_ident()
@@ -347,12 +350,18 @@ class StepLoop:
         k = self.steps % len(ready)
         ready = ready[k:] + ready[:k]
         chosen, budget = [], self.batch_tokens
+        cap = budget if len(ready) == 1 else self.PREFILL_ROWS_PER_STEP  # a session's rows while others generate
         for final_pass in (True, False):
-            prompt_budget = budget if not chosen else min(budget, self.PREFILL_ROWS_PER_STEP)
+            prompt_budget = budget if not chosen else min(budget, cap)
             for work in ready:
                 if len(chosen) >= self.step_sessions:
                     break
-                piece, n_logits = work.next_piece()
+                if any(work is taken for taken, _, _ in chosen):
+                    continue
+                next_piece = work.next_piece(min(cap, budget if final_pass else prompt_budget))
+                if next_piece is None:
+                    continue
+                piece, n_logits = next_piece
                 final = len(piece) == len(work.rows)
                 if final != final_pass or len(piece) > (budget if final else prompt_budget):
                     continue

@@ -89,14 +89,15 @@ class LlamaModelInfo:
 KV_BYTES_PER_VALUE = 2 + 34 / 32  # a float16 key and a q8_0 value per layer, kv head and head dimension
 
 # SPLIT_SAFE_ROWS (llama_steps.py): a session's rows in one llama_decode up to this many give bitwise the logits and
-# KV of feeding them one by one (llama.cpp 0.3.36 CPU, float16 cache: 63 do, 64 do not); more take other kernels
+# KV of feeding them one by one. With a float16 cache 63 did and 64 did not (flash attention's tiled kernel); with
+# q8_0 values every shape takes the one-pass kernel, and calls of 48 to 512 rows measured bitwise equal (docs/engines.md)
 
 
 def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
     """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
-    numerics depend on how a long run of a sequence's tokens is split into ubatches (a 150-token prompt fed as 100
-    + 50 ends with logits up to 0.9 away from one call's; 166 fed at once, up to 2.8 away from one by one), but a
-    session's blocks of up to SPLIT_SAFE_ROWS rows are bitwise the same fed whole or one by one. So groups that
+    numerics depended with a float16 cache on how a long run of a sequence's tokens is split into ubatches (166 fed
+    at once, up to 2.8 away from one by one); a session's blocks of up to SPLIT_SAFE_ROWS rows are bitwise the same
+    fed whole or one by one (with the q8_0 values, any split up to the batch size). So groups that
     short are packed up to `cap` rows, and a longer group (a prompt, a resync's whole context) gets calls of its
     own of SPLIT_SAFE_ROWS rows: a session's cache is then a function of its tokens alone, whichever calls
     brought them (a context resent after an eviction or a move to another target is rebuilt bit for bit)."""
