@@ -16,7 +16,6 @@ import pytest
 
 from orchestrator.replicas.clients import DecodeCall, TargetClient
 from specdec.core.sampling import SamplingParams
-from target_service.engines.llama_steps import SPLIT_SAFE_ROWS
 from target_service.server import build_server
 from tests.test_llamacpp_engine import GREEDY, PROMPTS, make_engine, prompt_ids
 from target_service.engines.jobs import DecodeTask, VerifyTask
@@ -120,7 +119,7 @@ def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):
     from specdec.eval_prompts import PROMPTS as BENCH_PROMPTS
 
     long_ids = next(prompt_ids(engine, p.text) for p in BENCH_PROMPTS if p.kind == "summary")
-    assert len(long_ids) > 3 * engine.PREFILL_ROWS_PER_STEP
+    assert len(long_ids) > engine.PREFILL_ROWS_PER_STEP  # two pieces or more
     short = prompt_ids(engine, PROMPTS[1])
     ref_long, ref_short = alone(engine, "rl", long_ids, 8), alone(engine, "rs", short, 40)
     with StepRecorder(engine) as rec:

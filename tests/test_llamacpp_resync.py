@@ -118,7 +118,7 @@ def test_a_resynced_session_decodes_bitwise_as_the_uninterrupted_one(engines, mo
 def test_no_call_computes_more_than_the_split_safe_rows_of_one_session():
     from target_service.engines.llamacpp import SPLIT_SAFE_ROWS, _chunk_bounds
 
-    groups = [1, 200, 3, 48, 49, 5, 512, 2]
+    groups = [1, 200, 3, 48, 49, 5, 512, 2, 700, 4]
     bounds = _chunk_bounds(groups, 512)
     starts = np.cumsum([0, *groups])
     assert bounds[0][0] == 0 and bounds[-1][1] == starts[-1]

@@ -105,7 +105,7 @@ def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
     piece = min(cap, SPLIT_SAFE_ROWS)
     lo = pos = 0
     for n in group_sizes:
-        alone = n > SPLIT_SAFE_ROWS
+        alone = n > piece
         if pos > lo and (alone or pos - lo + n > cap):
             bounds.append((lo, pos))
             lo = pos
