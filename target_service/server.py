@@ -158,6 +158,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
         deadline, sent = call_deadline(), 0
         want = max(1, request.first_block_tokens or request.block_tokens)
+        # Blocks after the first: block_tokens, then doubling up to max_block_tokens (a session whose drafter keeps
+        # finding nothing consults it at short blocks first, then costs what a target-only stream does).
+        next_want = max(1, request.block_tokens)
+        grown_to = max(next_want, request.max_block_tokens)
         margin = 0.0 if deadline is None else min(self.STREAM_END_MARGIN_S, 0.2 * (deadline - time.monotonic()))
         try:
             while True:
@@ -176,7 +180,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                     decode_ms=block.decode_ms)
                 if block.finished:
                     return
-                want = max(1, request.block_tokens)
+                want, next_want = next_want, min(grown_to, 2 * next_want)
                 self._injected_latency()
         finally:
             stream.cancel()
