@@ -158,6 +158,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
         deadline, sent = call_deadline(), 0
         want = max(1, request.first_block_tokens or request.block_tokens)
+        # Blocks after the first: block_tokens, then doubling up to max_block_tokens (a session whose drafter keeps
+        # finding nothing consults it at short blocks first, then costs what a target-only stream does), never over
+        # half the tokens left: the drafter learns a reply from what it is shown, and the last block is not.
+        next_want = max(1, request.block_tokens)
+        grown_to = max(next_want, request.max_block_tokens)
+        growing, left_tokens = grown_to > next_want, task.max_tokens
         margin = 0.0 if deadline is None else min(self.STREAM_END_MARGIN_S, 0.2 * (deadline - time.monotonic()))
         try:
             while True:
@@ -171,12 +177,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         return  # no token since the last block before the margin: the clean end, as above
                     raise
                 if block.tokens:
-                    sent += 1
+                    sent, left_tokens = sent + 1, left_tokens - len(block.tokens)
                     yield target_pb2.DecodeResponse(tokens=block.tokens, cached_len=block.cached_len,
                                                     decode_ms=block.decode_ms)
                 if block.finished:
                     return
-                want = max(1, request.block_tokens)
+                want = min(next_want, max(1, request.block_tokens, left_tokens // 2)) if growing else next_want
+                next_want = min(grown_to, 2 * next_want)
                 self._injected_latency()
         finally:
             stream.cancel()

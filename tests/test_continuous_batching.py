@@ -201,6 +201,26 @@ def test_the_decode_stream_rpc_sends_blocks_equal_to_a_unary_decode(served):
     client.release("rpc")
 
 
+def test_a_growing_decode_streams_blocks_double_up_to_max_block_tokens(served):
+    """A weak-draft session's stream: its first token, then blocks of 4, 8, then 16 tokens (each block wakes the
+    target's stream thread and the orchestrator), never over half the tokens left (the drafter is shown each block
+    but the last): the same tokens as one Decode, in about 9 messages, not 17."""
+    engine, client = served
+    ids = prompt_ids(engine, PROMPTS[1])
+    ref = client.decode(DecodeCall("grow-ref", ids, 0, 64, GREEDY), 60.0)
+    client.release("grow-ref")
+    call = DecodeCall("grow", ids, 0, 64, GREEDY, block_tokens=4, first_block_tokens=1, max_block_tokens=16)
+    stream = client.decode_stream(call, 60.0)
+    blocks = [stream.first]
+    while (d := stream.next()) is not None:
+        blocks.append(d)
+    sizes = [len(b.tokens) for b in blocks]
+    assert sizes[0] >= 1 and sizes[1] >= 4 and sizes[2] >= 8 and sizes[3] >= 16
+    assert len(blocks) <= 10 and sizes[-1] <= 8
+    assert [t for b in blocks for t in b.tokens] == ref.tokens
+    client.release("grow")
+
+
 def test_a_cancelled_stream_stops_the_engine_decoding_it(served):
     engine, client = served
     ids = prompt_ids(engine, PROMPTS[0])

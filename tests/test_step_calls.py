@@ -20,7 +20,7 @@ NEW_TOKENS = 24
 
 def run_session(speculation: bool, profile: list[float], active: int = 1, drafts=lambda call: [],
                 shed_above: int = 0, strategy: str | None = None, score=0.0, evidence=None,
-                accept=lambda block: 0) -> dict:
+                accept=lambda block: 0, new_tokens: int = NEW_TOKENS) -> dict:
     """Generate NEW_TOKENS with one Step; `drafts(i)`: the tokens the i-th Propose returns (none: dry), each scored
     `score` (or score(draft)) when given (a scoring drafter, `strategy` its ModelInfo.strategy, `evidence` what scores have meant);
     `accept(block)`: how many of a verified block the target accepts. Returns the sizes of the Decode calls (unary
@@ -51,15 +51,23 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
         calls["unary"].append(n)
         return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
 
-    def stream_block(total, degraded):
+    def stream_block(total, degraded, grow=False):
+        # the target's side of DecodeStream: the first block, then block_tokens doubling up to max_block_tokens
         if stream["left"] <= 0:
             calls["streams"].append(total)
-            stream["left"] = total
+            block, first, grown_to = step.target.stream_plan(grow)
+            stream.update(left=total, want=first, block=block, grown_to=max(block, grown_to), first_block=block)
             step.target.stream = object()  # open (what the step asks of TargetCall)
-        n = min(cfg.fallback_chunk, stream["left"])
+        n = min(stream["want"], stream["left"])
         stream["left"] -= n
+        grows = stream["grown_to"] > block_of(stream)
+        stream["want"] = min(stream["block"], max(block_of(stream), stream["left"] // 2)) if grows else stream["block"]
+        stream["block"] = min(stream["grown_to"], 2 * stream["block"])
         calls["decode"].append(n)
         return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
+
+    def block_of(stream):
+        return stream["first_block"]
 
     def verify(reply):
         stream["left"] = 0
@@ -70,8 +78,8 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
 
     step.draft.propose, step.target.decode, step.target.verify = propose, decode, verify
     step.target.stream_block = stream_block
-    for _ in range(4 * NEW_TOKENS):
-        remaining = NEW_TOKENS - len(rec.generated)
+    for _ in range(4 * new_tokens):
+        remaining = new_tokens - len(rec.generated)
         if remaining <= 0:
             break
         new, _ = step(remaining)
@@ -82,10 +90,11 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
 def test_a_load_shed_session_decodes_as_a_target_only_session_does():
     target_only = run_session(False, FLAT)
     shed = run_session(True, FLAT, active=4, shed_above=1, drafts=lambda i: [5, 6, 7])
-    assert target_only["decode"] == [4] * 6 and target_only["propose"] == 0
-    assert target_only["streams"] == [NEW_TOKENS]  # one decode stream for the whole generation
+    # one decode stream for the whole generation: its first token at once, then blocks of stream_block_tokens
+    assert target_only["decode"] == [1, 16, 7] and target_only["propose"] == 0
+    assert target_only["streams"] == [NEW_TOKENS]
     assert shed["stats"].load_shed_steps == 6
-    assert shed["decode"] == target_only["decode"] and shed["verify"] == []
+    assert shed["decode"] == [4] * 6 and shed["verify"] == []  # target-only tokens, fallback_chunk a step
     assert shed["propose"] == 0  # no n-gram lookup while load-shed
 
 
@@ -97,7 +106,7 @@ def test_a_paused_session_whose_probe_finds_no_draft_pauses_again():
     paused = run_session(True, LINEAR)  # the drafter never has anything
     probes = GoodputDraftLength.PROBE_EVERY + 1  # steps between two probes, the probe included
     assert paused["stats"].speculation_paused_steps > 0
-    assert paused["decode"] == target_only["decode"] == [4] * 6
+    assert paused["decode"] == [4] * 6 and sum(target_only["decode"]) == NEW_TOKENS  # its blocks: its steps
     assert paused["propose"] == len(paused["decode"]) // probes  # one lookup per probe, not one per step
     # between two probes, one decode stream of the paused steps' tokens (none decoded past the next probe)
     assert paused["streams"][0] == 4 * GoodputDraftLength.PROBE_EVERY
@@ -137,11 +146,27 @@ def test_a_free_drafters_weak_drafts_decode_on_the_stream_as_a_target_only_sessi
     weak = run_session(True, llamacpp_profile(), strategy="suffix", score=2.0**2, drafts=lambda i: [5, 6, 7],
                        evidence=_evidence(2.0**2, 2.0**18))
     assert weak["verify"] == [] and weak["unary"] == []
-    assert weak["decode"] == target_only["decode"] == [4] * 6
+    # its first token at once, then blocks growing while nothing pays, never over half the tokens left (the drafter
+    # learns the reply from what it is shown: the last block it is not)
+    assert weak["decode"] == [1, 4, 8, 5, 4, 2]
     assert weak["streams"] == target_only["streams"] == [NEW_TOKENS]
     assert weak["propose"] == 6  # one lookup per block of the stream
     dry = run_session(True, llamacpp_profile(), strategy="suffix", evidence=_evidence(2.0**2, 2.0**18))
     assert dry["unary"] == [] and dry["streams"] == [NEW_TOKENS]  # no match at all: the stream as well
+
+
+def test_a_weak_draft_streams_blocks_grow_to_a_target_only_streams():
+    """Each block wakes the target's stream thread, the orchestrator, Redis and the client on the cores the target
+    computes on: while the drafter keeps finding nothing that pays, a speculative session's blocks double from
+    fallback_chunk to stream_block_tokens, and from then on it gets its tokens as a target-only session does."""
+    n = 80
+    target_only = run_session(False, llamacpp_profile(), new_tokens=n)
+    weak = run_session(True, llamacpp_profile(), strategy="suffix", score=2.0**2, drafts=lambda i: [5, 6, 7],
+                       evidence=_evidence(2.0**2, 2.0**18), new_tokens=n)
+    assert target_only["decode"] == [1, 16, 16, 16, 16, 15]
+    assert weak["decode"] == [1, 4, 8, 16, 16, 16, 9, 5, 4, 1] and weak["verify"] == [] and weak["unary"] == []
+    assert len(weak["decode"]) <= len(target_only["decode"]) + 4  # four more wake-ups in 80 tokens, not 15
+    assert weak["propose"] == len(weak["decode"]) - 1  # the drafter looks at every block but the last
 
 
 def test_a_streaming_session_switches_to_a_verify_when_its_drafter_finds_a_strong_match():
@@ -152,11 +177,14 @@ def test_a_streaming_session_switches_to_a_verify_when_its_drafter_finds_a_stron
                       drafts=lambda i: [5] * 8 if i == 2 else [5, 6, 7],  # the third lookup finds a quotation
                       score=lambda draft: 2.0**18 if len(draft) == 8 else 2.0**2, accept=len)
     assert out["verify"] == [8] and out["unary"] == [1, 2]
-    assert out["streams"] == [NEW_TOKENS, NEW_TOKENS - 2 * 4 - 9 - 3]  # 2 blocks, 8 accepted + the bonus, 1 + 2
+    # blocks of 1 and 4 tokens, 8 accepted + the bonus, 1 + 2; the new stream starts at short blocks again
+    assert out["streams"] == [NEW_TOKENS, NEW_TOKENS - 1 - 4 - 9 - 3]
+    assert out["decode"][-2:] == [4, 3]
 
 
-def _opened_stream(speculation: bool, generated: list[int], **cfg) -> tuple[int, int]:
-    """(block_tokens, first_block_tokens) of the DecodeStream a session's TargetCall opens."""
+def _opened_stream(speculation: bool, generated: list[int], grow: bool = False, **cfg) -> tuple[int, ...]:
+    """(block_tokens, first_block_tokens[, max_block_tokens when grow]) of the DecodeStream a session's TargetCall
+    opens."""
     from orchestrator.loop.target_call import TargetCall
 
     rec = SessionRecord("s", [1, 2, 3], {"max_new_tokens": NEW_TOKENS, "speculation": speculation,
@@ -169,12 +197,12 @@ def _opened_stream(speculation: bool, generated: list[int], **cfg) -> tuple[int,
 
     class Client:
         def decode_stream(self, call, timeout, wait_for_ready):
-            opened.append((call.block_tokens, call.first_block_tokens))
+            opened.append((call.block_tokens, call.first_block_tokens) + ((call.max_block_tokens,) if grow else ()))
             return types.SimpleNamespace(first=DecodeReply([7], len(rec.committed), 1.0, False))
 
     target.client = Client()
     target.call = lambda fn, what: fn(1.0)
-    target.stream_block(NEW_TOKENS, degraded=False)
+    target.stream_block(NEW_TOKENS, degraded=False, grow=grow)
     return opened[0]
 
 
@@ -187,3 +215,6 @@ def test_a_target_only_stream_sends_its_first_token_at_once_then_large_blocks():
     assert _opened_stream(False, [5, 6]) == (16, 16)  # a stream reopened mid-generation: no early first block
     assert _opened_stream(True, []) == (4, 4)  # paused by the draft length: its steps
     assert _opened_stream(True, [], fallback_chunk=2, stream_block_tokens=8) == (2, 2)
+    # a weak-draft stream: the first token at once, then blocks from fallback_chunk growing to stream_block_tokens
+    assert _opened_stream(True, [], grow=True) == (4, 1, 16)
+    assert _opened_stream(True, [5, 6], grow=True) == (4, 4, 16)  # after a Verify: short blocks again

@@ -54,7 +54,7 @@ class Step:
             return self.stream(remaining, degraded=False), False
         k = min(self.draft_len.k, remaining - 1)
         if k <= 0 and self.streams_weak_drafts():  # the last token: from the open stream, as any other
-            return self.stream(remaining, degraded=False), False
+            return self.stream(remaining, degraded=False, grow=True), False
         if k <= 0:
             if self.draft_len.k == 0:  # no draft length pays: target-only until the policy probes again
                 stats.speculation_paused_steps += 1
@@ -75,7 +75,7 @@ class Step:
                 self.dry_steps = 0
                 return new, False
             if not failed and self.streams_weak_drafts():  # the stream's next block, then draft again
-                return self.stream(remaining, degraded=False), False
+                return self.stream(remaining, degraded=False, grow=True), False
             if not failed:  # nothing drafted (or nothing that pays): target tokens, then draft again
                 n = dry_step_tokens(self.draft_len, self.dry_steps, fallback)
                 self.dry_steps += 1
@@ -130,10 +130,11 @@ class Step:
         return (self.target.stream is not None or self.dry_steps >= WEAK_RAMP
                 or self.state.stats.verify_steps == 0)
 
-    def stream(self, total: int, degraded: bool) -> list[int]:
+    def stream(self, total: int, degraded: bool, grow: bool = False) -> list[int]:
         """The next block of target-only tokens from the session's decode stream (one of `total` tokens is opened
-        when none is): a paused or target-only session costs what plain decoding does, one stream, no call a block."""
-        d = self.target.stream_block(total, degraded)
+        when none is): a paused or target-only session costs what plain decoding does, one stream, no call a block;
+        a weak-draft stream's blocks grow (TargetCall.stream_plan)."""
+        d = self.target.stream_block(total, degraded, grow)
         record_decode(self.state, len(d.tokens), d.decode_ms, degraded)
         return d.tokens
 

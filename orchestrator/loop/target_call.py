@@ -121,11 +121,12 @@ class TargetCall:
         rec.target_pos = d.cached_len
         return d
 
-    def stream_block(self, total: int, degraded: bool):
+    def stream_block(self, total: int, degraded: bool, grow: bool = False):
         """Target-only tokens from the session's decode stream: the next block of the open one, else the first block
         of a new stream of up to `total` tokens (the target decodes on while this session's blocks are stored and
-        sent). A stream that ended or failed is closed here; a failure a target going away causes moves the session
-        on (as any call's), a new stream then opening on the next usable replica."""
+        sent; `grow`: its blocks grow to a target-only stream's, see stream_plan). A stream that ended or failed is
+        closed here; a failure a target going away causes moves the session on (as any call's), a new stream then
+        opening on the next usable replica."""
         state, rec = self.state, self.state.rec
         d = None
         plain = self.stream is not None or rec.target_pos == len(rec.committed) - 1  # no prefill in this block
@@ -139,26 +140,34 @@ class TargetCall:
             if d is not None:
                 state.count_overhead(t0, d.decode_ms)
         if d is None:
-            d = self._open_stream(total, degraded)
+            d = self._open_stream(total, degraded, grow)
         cost = state.measured.target_cost
         if cost is not None and plain and len(d.tokens) > 1:  # the target's time a token; no call overhead
             cost.observe(1, d.decode_ms, calls=len(d.tokens), decode=True, context=len(rec.committed))
         rec.target_pos = d.cached_len
         return d
 
-    def _open_stream(self, total: int, degraded: bool):
+    def stream_plan(self, grow: bool) -> tuple[int, int, int]:
+        """(block_tokens, first_block_tokens, max_block_tokens) of a new stream. Each block wakes the target's gRPC
+        thread, this process, Redis and the client, on the cores the target computes on: a target-only generation's
+        first token goes out at once, then blocks of stream_block_tokens. A free drafter's weak-draft stream (grow)
+        also sends a generation's first token at once, then blocks of fallback_chunk doubling up to
+        stream_block_tokens while the drafter, consulted at each block, finds nothing that pays: it costs what
+        target-only does, and a new stream after a Verify starts short again. A paused session's blocks stay its
+        steps (the draft-length policy probes again after a number of them, at the positions Decode calls reached)."""
         state, rec, cfg = self.state, self.state.rec, self.state.cfg
         target_only = state.backends.pool is None or not rec.params.speculation
-        # A target-only generation's first token goes out at once, then blocks of stream_block_tokens: each block
-        # wakes the target's gRPC thread, this process, Redis and the client, on the cores the target computes on.
-        # A paused session's blocks stay its steps (the draft-length policy probes again after a number of them,
-        # at the positions plain Decode calls reached).
         block = max(1, cfg.stream_block_tokens if target_only else cfg.fallback_chunk)
-        first = 1 if not rec.generated and target_only else block
+        first = 1 if not rec.generated and (target_only or grow) else block
+        return block, first, max(block, cfg.stream_block_tokens) if grow else 0
+
+    def _open_stream(self, total: int, degraded: bool, grow: bool = False):
+        state, rec = self.state, self.state.rec
+        block, first, max_block = self.stream_plan(grow)
         t0 = time.perf_counter()
         with telemetry.call_attributes(session_id=rec.session_id, n=total, degraded=degraded, stream=True):
-            self.stream = self.call(lambda t: self.client.decode_stream(state.decode_call(total, block, first), t,
-                                                                        self.wait_for_ready), "decode")
+            self.stream = self.call(lambda t: self.client.decode_stream(
+                state.decode_call(total, block, first, max_block), t, self.wait_for_ready), "decode")
         self.stream_client = self.client
         d = self.stream.first
         state.count_overhead(t0, d.decode_ms)

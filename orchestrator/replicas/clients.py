@@ -99,7 +99,7 @@ class VerifyCall:
 class DecodeCall:
     """One target-only Decode or DecodeStream: up to max_tokens tokens after the committed ones, ending at any of
     stop_token_ids. A stream sends its tokens in blocks of block_tokens, its first of first_block_tokens (0: a
-    block's)."""
+    block's); with max_block_tokens, the blocks after the first double from block_tokens up to it."""
 
     session_id: str
     committed: list[int]
@@ -111,12 +111,14 @@ class DecodeCall:
     stop_token_ids: tuple[int, ...] = ()
     block_tokens: int = 1
     first_block_tokens: int = 0
+    max_block_tokens: int = 0
 
     def request(self, delta: common_pb2.TokenDelta) -> target_pb2.DecodeRequest:
         return target_pb2.DecodeRequest(session_id=self.session_id, delta=delta, max_tokens=self.max_tokens,
                                         sampling=wire.sampling_to_proto(self.params, self.seed), step=self.step,
                                         stop_token_ids=self.stop_token_ids, block_tokens=self.block_tokens,
-                                        first_block_tokens=self.first_block_tokens)
+                                        first_block_tokens=self.first_block_tokens,
+                                        max_block_tokens=self.max_block_tokens)
 
 
 @dataclass
