@@ -58,7 +58,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "delta", "max_tokens", "sampling", "step", "stop_token_ids", "block_tokens", "first_block_tokens")
+    __slots__ = ("session_id", "delta", "max_tokens", "sampling", "step", "stop_token_ids", "block_tokens", "first_block_tokens", "max_block_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class DecodeRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     delta: _common_pb2.TokenDelta
     max_tokens: int
@@ -75,7 +76,8 @@ class DecodeRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_tokens: int
     first_block_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., block_tokens: _Optional[int] = ..., first_block_tokens: _Optional[int] = ...) -> None: ...
+    max_block_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., block_tokens: _Optional[int] = ..., first_block_tokens: _Optional[int] = ..., max_block_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("tokens", "cached_len", "decode_ms")
