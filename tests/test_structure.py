@@ -262,13 +262,6 @@ def test_submodules_import_their_siblings_directly():
 MAX_FUNCTION_LINES = 80
 MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one each
 
-# Functions not split yet, each with why. The goal is an empty list: split a function, then strike its line here
-# (the test fails on a line that no longer applies, so the list only shrinks).
-TOO_LONG_YET = {
-}
-TOO_MANY_PARAMETERS_YET = {
-}
-
 
 def function_sizes() -> dict[str, tuple[int, int]]:
     """'path:Class.function' -> (lines, parameters) for every function outside tests."""
@@ -293,15 +286,11 @@ def function_sizes() -> dict[str, tuple[int, int]]:
 
 def test_no_function_over_the_length_limit():
     sizes = function_sizes()
-    over = {k: lines for k, (lines, _) in sizes.items() if lines > MAX_FUNCTION_LINES and k not in TOO_LONG_YET}
+    over = {k: lines for k, (lines, _) in sizes.items() if lines > MAX_FUNCTION_LINES}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them): {over}"
-    stale = [k for k in TOO_LONG_YET if sizes.get(k, (0, 0))[0] <= MAX_FUNCTION_LINES]
-    assert not stale, f"no longer over the limit: strike them from TOO_LONG_YET: {stale}"
 
 
 def test_no_function_over_the_parameter_limit():
     sizes = function_sizes()
-    over = {k: n for k, (_, n) in sizes.items() if n > MAX_PARAMETERS and k not in TOO_MANY_PARAMETERS_YET}
+    over = {k: n for k, (_, n) in sizes.items() if n > MAX_PARAMETERS}
     assert not over, f"functions over {MAX_PARAMETERS} parameters (pass a typed object): {over}"
-    stale = [k for k in TOO_MANY_PARAMETERS_YET if sizes.get(k, (0, 0))[1] <= MAX_PARAMETERS]
-    assert not stale, f"within the limit now: strike them from TOO_MANY_PARAMETERS_YET: {stale}"
