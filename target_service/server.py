@@ -65,7 +65,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sid = require_session_id(request.session_id)
         prefix_len, delta = self._delta(request.delta)
         telemetry.annotate(session_id=sid, tokens=len(delta), export_kv=request.export_kv)
-        reply = target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta))
+        reply = target_pb2.PrefillResponse(cached_len=self.engine.prefill(sid, prefix_len, delta,
+                                                                          prompt_len=request.delta.prompt_len))
         if request.export_kv and self.info.kv_fingerprint:
             kv = self.engine.export_kv(sid, self.MAX_KV_EXPORT_BYTES)
             if kv is not None:
@@ -95,7 +96,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             probs = wire.decode_distributions(request.draft_probs, self.engine.vocab_size, len(draft))
         telemetry.annotate(session_id=sid, draft_tokens=len(draft))
         out = self.engine.verify(VerifyTask(sid, prefix_len, delta, draft, probs, params, request.sampling.seed,
-                                            request.step))
+                                            request.step, prompt_len=request.delta.prompt_len))
         telemetry.record_verify(len(draft), out.num_accepted, out.verify_ms)
         return target_pb2.VerifyResponse(
             num_accepted=out.num_accepted, next_token=out.next_token, cached_len=out.cached_len, verify_ms=out.verify_ms
@@ -135,7 +136,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not 1 <= request.max_tokens <= max_tokens:
             raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{max_tokens}")
         return DecodeTask(sid, prefix_len, delta, request.max_tokens, params, request.sampling.seed, request.step,
-                          frozenset(request.stop_token_ids))
+                          frozenset(request.stop_token_ids), prompt_len=request.delta.prompt_len)
 
     @handle_errors
     def Decode(self, request, context):

@@ -3,11 +3,14 @@
 
 llama.cpp's CPU flash attention picks its kernel by the shape of the ubatch: one query row of one sequence over
 512 or more KV cells splits the keys into one chunk per thread (each with its own float16 accumulator, merged at
-the end), any other shape runs each row over all keys in one pass. With float16 keys and values a target-only step
-(one row alone) and the same row inside a verify block, or beside other sessions' rows, then differed by up to 1.06
-in the logits, and the rag prompt's greedy output flipped at its 26th token (a top-2 margin of 0.014). The engine
-keeps the values in float32 (target_service/engines/llamacpp.py, KV_TYPES), which takes every shape through the
-one-pass kernel: the rows below must be bitwise equal, however they are batched.
+the end), 64 or more rows of a sequence run in tiles, any other shape runs each row over all keys in one pass. With
+float16 keys and values a target-only step (one row alone) and the same row inside a verify block, or beside other
+sessions' rows, then differed by up to 1.06 in the logits, and the rag prompt's greedy output flipped at its 26th
+token (a top-2 margin of 0.014). The engine's main context keeps q8_0 values (target_service/engines/llamacpp.py,
+KV_BYTES_PER_VALUE), which takes every shape through the one-pass kernel: the rows below must be bitwise equal,
+however they are batched. A prompt (its length sent with the delta) is computed in the tiled kernel of the prompt
+context (target_service/engines/llama_prompt.py) in calls of at least 64 rows: its cache must not depend on how
+the prompt was cut into calls.
 
 These tests need the llama_cpp module (scripts/bootstrap.sh installs llama-cpp-python): without it they FAIL."""
 
@@ -68,7 +71,7 @@ def test_a_row_alone_in_a_block_and_beside_other_sessions_gives_bitwise_the_same
     same single rows sharing each llama_decode with three other sessions' rows, on the 1416-token context."""
     sessions = ("alone", "block", "crowded", "other0", "other1", "other2")
     for sid in sessions[:3]:
-        engine.prefill(sid, 0, rag_ids[:-1])
+        engine.prefill(sid, 0, rag_ids[:-1], prompt_len=len(rag_ids))
     for i, p in enumerate(PROMPTS[:3]):
         engine.prefill(f"other{i}", 0, encode(p, engine.loaded.tokenizer)[:40])
     try:
@@ -92,7 +95,7 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
     """The defect the benchmark showed: 32 target-only tokens of the rag prompt, and the same positions decided by
     verify calls with 4-token drafts, every other block with a wrong third token (a rejection, its KV cropped)."""
     n = 32
-    reference = engine.decode(DecodeTask("ref", 0, rag_ids, n, GREEDY))[0]
+    reference = engine.decode(DecodeTask("ref", 0, rag_ids, n, GREEDY, prompt_len=len(rag_ids)))[0]
     engine.release("ref")
     out: list[int] = []
     cached = 0
@@ -102,7 +105,8 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
         draft = list(reference[len(out):len(out) + 4])
         if block % 2 and len(draft) > 2:
             draft[2] = (draft[2] + 1) % engine.vocab_size
-        outcome = engine.verify(VerifyTask("spec", cached, context[cached:], draft, None, GREEDY, 0, block))
+        outcome = engine.verify(VerifyTask("spec", cached, context[cached:], draft, None, GREEDY, 0, block,
+                                           prompt_len=len(rag_ids)))
         new = draft[:outcome.num_accepted] + [outcome.next_token]
         out += new
         context += new
@@ -110,3 +114,75 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
         block += 1
     engine.release("spec")
     assert out[:n] == list(reference)
+
+
+def feed_prompt(engine, sid: str, tokens: list[int], piece: int) -> None:
+    """The prompt through the prompt context in calls of `piece` rows (the last may be longer, up to 2 * piece),
+    then moved to the session's sequence: what the step loop does with other piece sizes."""
+    def run():
+        with engine._lock:
+            seq = engine._sequence(sid)
+            at = 0
+            while at < len(tokens):
+                n = piece if len(tokens) - at >= 2 * piece else len(tokens) - at
+                engine._decode_prompt(tokens[at:at + n], at)
+                engine._prompt_tokens += tokens[at:at + n]
+                at += n
+            engine._move_prompt(seq)
+            seq.tokens.extend(tokens)
+            engine._prompt_reset()
+
+    engine._on_compute(run)
+
+
+def greedy_rows(engine, sid: str, first: int, n: int) -> np.ndarray:
+    """n greedy target-only steps from `first`: each step's logits row."""
+    fed, rows = [first], []
+    for _ in range(n):
+        rows.append(rows_of(engine, [[(sid, fed[-1:], 1)]])[0][0][-1])
+        fed.append(int(rows[-1].argmax()))
+    return np.stack(rows)
+
+
+def test_the_prompt_context_gives_the_same_cache_whatever_calls_brought_the_prompt(engine, rag_ids):
+    """The rag prompt through the prompt context in calls of 64, 96 and 512 rows (and the step loop's own), then
+    4 greedy steps in the main context: bitwise the same logits each way."""
+    prompt, ways = rag_ids[:-1], {}
+    engine.prefill("loop", 0, prompt, prompt_len=len(rag_ids))
+    ways["loop"] = greedy_rows(engine, "loop", rag_ids[-1], 4)
+    engine.release("loop")
+    for piece in (64, 96, 512):
+        feed_prompt(engine, f"p{piece}", prompt, piece)
+        ways[piece] = greedy_rows(engine, f"p{piece}", rag_ids[-1], 4)
+        engine.release(f"p{piece}")
+    for way, rows in ways.items():
+        gap = np.abs(rows - ways["loop"]).max()
+        assert np.array_equal(rows, ways["loop"]), f"prompt calls of {way} rows differ by up to {gap}"
+
+
+def test_a_resent_context_is_rebuilt_bit_for_bit_after_the_prompt_context(engine, rag_ids):
+    """A session decoded 6 tokens after the rag prompt (prompt context, then main steps), then resent whole from 0
+    (prompt + generated, as after an eviction): its next steps equal the uninterrupted session's bitwise."""
+    n = len(rag_ids)
+    tokens = engine.decode(DecodeTask("first", 0, rag_ids, 6, GREEDY, prompt_len=n))[0]
+    context = list(rag_ids) + tokens[:-1]
+    onward = greedy_rows(engine, "first", tokens[-1], 3)
+    engine.release("first")
+    engine.prefill("again", 0, context, prompt_len=n)
+    resent = greedy_rows(engine, "again", tokens[-1], 3)
+    engine.release("again")
+    assert np.array_equal(onward, resent), f"the resent context differs by up to {np.abs(onward - resent).max()}"
+
+
+@pytest.mark.heavy
+def test_the_main_context_is_split_invariant_over_the_whole_rag_prompt(engine, rag_ids):
+    """Without a prompt length the prompt goes through the main context: fed in calls of 512 and of 63 rows (the
+    step loop's biggest and a size under the tiled kernel's 64) it gives bitwise the same cache at 2 threads."""
+    ways = {}
+    for piece in (512, 63):
+        sid = f"main{piece}"
+        rows_of(engine, [[(sid, rag_ids[a:min(a + piece, len(rag_ids) - 1)], 0)]
+                         for a in range(0, len(rag_ids) - 1, piece)])
+        ways[piece] = greedy_rows(engine, sid, rag_ids[-1], 3)
+        engine.release(sid)
+    assert np.array_equal(ways[512], ways[63]), f"differ by up to {np.abs(ways[512] - ways[63]).max()}"

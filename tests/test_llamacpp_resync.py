@@ -1,8 +1,9 @@
 """A session whose llama.cpp cache is lost (evicted, or its target replica gone) is resynced: the orchestrator resends
-the committed context from position 0 (orchestrator/replicas/clients.py, _call_with_resync) and the target prefills it as
-one group. llama.cpp's CPU numerics depend on how many of a sequence's rows one llama_decode computes, so the
-engine feeds a long group in pieces of SPLIT_SAFE_ROWS rows, whose results equal feeding the rows one by one
-(target_service/engines/llamacpp.py, _chunk_bounds). These tests decode greedily uninterrupted and again with the
+the committed context from position 0 (orchestrator/replicas/clients.py, _call_with_resync) with the prompt's length,
+and the target prefills it as one group: the prompt in its prompt context (target_service/engines/llama_prompt.py),
+the generated tokens in the main context. llama.cpp's CPU numerics depend on how many of a sequence's rows one
+llama_decode computes, so the engine feeds a long group in pieces of SPLIT_SAFE_ROWS rows, whose results equal
+feeding the rows one by one (target_service/engines/llamacpp.py, _chunk_bounds). These tests decode greedily uninterrupted and again with the
 cache dropped at several points (a real LRU eviction, and a move to a second engine), and require the same tokens
 and bitwise the same logits at every step (the context fed at once gave logits up to 1.2 away and a different
 greedy token on the code prompt).
@@ -59,13 +60,15 @@ class Spy:
             monkeypatch.setattr(engine, "_decode", spy)
 
 
-def step(engine, session: str, committed: list[int], pos: int) -> tuple[int, bool]:
+def step(engine, session: str, committed: list[int], pos: int, prompt_len: int) -> tuple[int, bool]:
     """One target-only step as the orchestrator's Verify of an empty block: send committed[pos:], and after a
-    cache miss the whole context from 0. The next token and whether it resynced."""
+    cache miss the whole context from 0, with the prompt's length. The next token and whether it resynced."""
     try:
-        return engine.verify(VerifyTask(session, pos, committed[pos:], [], None, GREEDY, 0, 0)).next_token, False
+        task = VerifyTask(session, pos, committed[pos:], [], None, GREEDY, 0, 0, prompt_len=prompt_len)
+        return engine.verify(task).next_token, False
     except CacheMiss:
-        return engine.verify(VerifyTask(session, 0, committed, [], None, GREEDY, 0, 0)).next_token, True
+        task = VerifyTask(session, 0, committed, [], None, GREEDY, 0, 0, prompt_len=prompt_len)
+        return engine.verify(task).next_token, True
 
 
 def generate(engines, prompt: list[int], new_tokens: int, evict_at=(), move_at=None):
@@ -79,7 +82,7 @@ def generate(engines, prompt: list[int], new_tokens: int, evict_at=(), move_at=N
             assert "s" not in engine
         if i == move_at:
             engine = engines[1]
-        token, resynced = step(engine, "s", committed, pos)
+        token, resynced = step(engine, "s", committed, pos, len(prompt))
         resyncs += resynced
         pos = len(committed)  # the token's KV is written by the next step
         committed.append(token)

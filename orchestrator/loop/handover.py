@@ -42,7 +42,7 @@ class PromptHandover:
             return None
         rec.stats.parallel_prefills += 1
         return target.client.prefill_async(rec.session_id, rec.committed[:-1], rec.target_pos,
-                                           state.cfg.target_timeout_s)
+                                           state.cfg.target_timeout_s, prompt_len=len(rec.prompt_ids))
 
     def finish_parallel_prefill(self, future) -> None:
         if future is None:
@@ -75,7 +75,8 @@ class PromptHandover:
             with telemetry.call_attributes(session_id=rec.session_id):
                 reply = target.client.prefill(rec.session_id, rec.committed[:-1],
                                                       min(rec.target_pos, len(rec.committed) - 1),
-                                                      state.cfg.target_timeout_s, export_kv=True)
+                                                      state.cfg.target_timeout_s, export_kv=True,
+                                                      prompt_len=len(rec.prompt_ids))
         except grpc.RpcError as e:  # the Verify resends what the target lacks; the draft prefills itself
             log.info("target prefill for the draft's KV failed", extra={"session_id": rec.session_id,
                                                                          "code": e.code().name})

@@ -150,13 +150,14 @@ class LoopState:
         """The Verify of a draft reply (a chain, or a tree when reply.tree_parents is set)."""
         rec = self.rec
         return VerifyCall(rec.session_id, rec.committed, rec.target_pos, reply.tokens, reply.probs, self.sampling,
-                          self.seed, rec.step, reply.tree_parents)
+                          self.seed, rec.step, reply.tree_parents, len(rec.prompt_ids))
 
     def decode_call(self, max_tokens: int, block_tokens: int = 1, first_block_tokens: int = 0,
                     max_block_tokens: int = 0) -> DecodeCall:
         rec = self.rec
         return DecodeCall(rec.session_id, rec.committed, rec.target_pos, max_tokens, self.sampling, self.seed,
-                          rec.step, tuple(sorted(self.stop_ids)), block_tokens, first_block_tokens, max_block_tokens)
+                          rec.step, tuple(sorted(self.stop_ids)), block_tokens, first_block_tokens, max_block_tokens,
+                          len(rec.prompt_ids))
 
     def leave_target(self) -> None:
         if self.target_seat is not None:

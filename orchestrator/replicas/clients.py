@@ -20,9 +20,9 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 log = logging.getLogger("specdec.orchestrator")
 
 
-def _delta(committed: list[int], pos: int) -> common_pb2.TokenDelta:
+def _delta(committed: list[int], pos: int, prompt_len: int = 0) -> common_pb2.TokenDelta:
     pos = min(pos, len(committed))
-    return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:])
+    return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:], prompt_len=prompt_len)
 
 
 def _release_async(stub, address: str, session_id: str, timeout: float):
@@ -47,15 +47,16 @@ def _is_cache_miss(e: grpc.RpcError) -> bool:
     return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "cache-miss" in (e.details() or "")
 
 
-def _call_with_resync(fn, committed: list[int], pos: int):
+def _call_with_resync(fn, committed: list[int], pos: int, prompt_len: int = 0):
     """fn(delta from pos); on a cache-miss, fn(the whole context) once. A replica holds a session through one call
-    (target engines keep it through a Decode's prefill and steps), so a resend does not miss again."""
+    (target engines keep it through a Decode's prefill and steps), so a resend does not miss again. prompt_len:
+    the session's prompt length, sent with every delta (TokenDelta.prompt_len)."""
     try:
-        return fn(_delta(committed, pos)), False
+        return fn(_delta(committed, pos, prompt_len)), False
     except grpc.RpcError as e:
         if not _is_cache_miss(e):
             raise
-        return fn(_delta(committed, 0)), True
+        return fn(_delta(committed, 0, prompt_len)), True
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class VerifyCall:
     seed: int = 0
     step: int = 0
     tree_parents: list[int] | None = None
+    prompt_len: int = 0  # the first prompt_len committed tokens are the prompt (TokenDelta.prompt_len)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class DecodeCall:
     block_tokens: int = 1
     first_block_tokens: int = 0
     max_block_tokens: int = 0
+    prompt_len: int = 0  # the first prompt_len committed tokens are the prompt (TokenDelta.prompt_len)
 
     def request(self, delta: common_pb2.TokenDelta) -> target_pb2.DecodeRequest:
         return target_pb2.DecodeRequest(session_id=self.session_id, delta=delta, max_tokens=self.max_tokens,
@@ -238,31 +241,31 @@ class TargetClient:
                 timeout=timeout, wait_for_ready=wait_for_ready,
             )
 
-        r, resynced = _call_with_resync(send, call.committed, call.pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos, call.prompt_len)
         return VerifyReply(r.num_accepted, r.next_token, r.cached_len, r.verify_ms, resynced,
                            list(r.accepted_nodes))
 
     def prefill(self, session_id: str, committed: list[int], pos: int, timeout: float,
-                export_kv: bool = False) -> target_pb2.PrefillResponse:
+                export_kv: bool = False, prompt_len: int = 0) -> target_pb2.PrefillResponse:
         """Prefill committed[pos:] (from 0 after a cache miss) and wait; with export_kv the reply carries the
-        session's KV (PrefillResponse.kv, empty when the target leaves it out)."""
+        session's KV (PrefillResponse.kv, empty when the target leaves it out). prompt_len: TokenDelta's."""
         def call(delta):
             return self.stub.Prefill(target_pb2.PrefillRequest(session_id=session_id, delta=delta, export_kv=export_kv),
                                      timeout=timeout)
 
-        return _call_with_resync(call, committed, pos)[0]
+        return _call_with_resync(call, committed, pos, prompt_len)[0]
 
-    def prefill_async(self, session_id: str, committed: list[int], pos: int, timeout: float):
+    def prefill_async(self, session_id: str, committed: list[int], pos: int, timeout: float, prompt_len: int = 0):
         """Start a Prefill of committed[pos:] without waiting; the future's .result().cached_len is what the target
         then holds (a cache miss raises: the caller's next call resends from 0 anyway)."""
-        request = target_pb2.PrefillRequest(session_id=session_id, delta=_delta(committed, pos))
+        request = target_pb2.PrefillRequest(session_id=session_id, delta=_delta(committed, pos, prompt_len))
         return self.stub.Prefill.future(request, timeout=timeout)
 
     def decode(self, call: DecodeCall, timeout: float, wait_for_ready: bool = False) -> DecodeReply:
         def send(delta):
             return self.stub.Decode(call.request(delta), timeout=timeout, wait_for_ready=wait_for_ready)
 
-        r, resynced = _call_with_resync(send, call.committed, call.pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos, call.prompt_len)
         return DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, resynced)
 
     def decode_stream(self, call: DecodeCall, timeout: float, wait_for_ready: bool = False) -> DecodeStream:
@@ -279,7 +282,7 @@ class TargetClient:
                 raise
             return DecodeStream(stream, DecodeReply(list(r.tokens), r.cached_len, r.decode_ms, False))
 
-        r, resynced = _call_with_resync(send, call.committed, call.pos)
+        r, resynced = _call_with_resync(send, call.committed, call.pos, call.prompt_len)
         r.resynced = r.first.resynced = resynced
         return r
 

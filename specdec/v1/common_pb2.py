@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"4\n\nTokenDelta\x12\x12\n\nprefix_len\x18\x01 \x01(\r\x12\x12\n\x06tokens\x18\x02 \x03(\rB\x02\x10\x01\"8\n\x0c\x44istribution\x12\x13\n\x07indices\x18\x01 \x03(\rB\x02\x10\x01\x12\x13\n\x0bvalues_fp16\x18\x02 \x01(\x0c\"\xb9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x19\n\reos_token_ids\x18\x05 \x03(\rB\x02\x10\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x16\n\nforward_ms\x18\t \x03(\x02\x42\x02\x10\x01\x12\x11\n\tmax_batch\x18\n \x01(\r\x12\x16\n\x0ekv_fingerprint\x18\x0b \x01(\t\x12\x14\n\x0c\x64rafts_trees\x18\x0c \x01(\x08\x12\x15\n\rmax_draft_len\x18\r \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0e \x01(\r\"\x8a\x01\n\x07KvBlock\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x11\n\tkeys_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0bvalues_fp16\x18\x06 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"]\n\tTokenTree\x12\x13\n\x07parents\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06tokens\x18\x02 \x03(\rB\x02\x10\x01\x12\'\n\x05probs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.Distribution\"\x10\n\x0eGetInfoRequest\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"H\n\nTokenDelta\x12\x12\n\nprefix_len\x18\x01 \x01(\r\x12\x12\n\x06tokens\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\nprompt_len\x18\x03 \x01(\r\"8\n\x0c\x44istribution\x12\x13\n\x07indices\x18\x01 \x03(\rB\x02\x10\x01\x12\x13\n\x0bvalues_fp16\x18\x02 \x01(\x0c\"\xb9\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x19\n\reos_token_ids\x18\x05 \x03(\rB\x02\x10\x01\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x16\n\nforward_ms\x18\t \x03(\x02\x42\x02\x10\x01\x12\x11\n\tmax_batch\x18\n \x01(\r\x12\x16\n\x0ekv_fingerprint\x18\x0b \x01(\t\x12\x14\n\x0c\x64rafts_trees\x18\x0c \x01(\x08\x12\x15\n\rmax_draft_len\x18\r \x01(\r\x12\x14\n\x0cmax_sessions\x18\x0e \x01(\r\"\x8a\x01\n\x07KvBlock\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x11\n\tkeys_fp16\x18\x05 \x01(\x0c\x12\x13\n\x0bvalues_fp16\x18\x06 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"]\n\tTokenTree\x12\x13\n\x07parents\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06tokens\x18\x02 \x03(\rB\x02\x10\x01\x12\'\n\x05probs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.Distribution\"\x10\n\x0eGetInfoRequest\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,19 +46,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=120
   _globals['_TOKENDELTA']._serialized_start=122
-  _globals['_TOKENDELTA']._serialized_end=174
-  _globals['_DISTRIBUTION']._serialized_start=176
-  _globals['_DISTRIBUTION']._serialized_end=232
-  _globals['_MODELINFO']._serialized_start=235
-  _globals['_MODELINFO']._serialized_end=548
-  _globals['_KVBLOCK']._serialized_start=551
-  _globals['_KVBLOCK']._serialized_end=689
-  _globals['_TOKENTREE']._serialized_start=691
-  _globals['_TOKENTREE']._serialized_end=784
-  _globals['_GETINFOREQUEST']._serialized_start=786
-  _globals['_GETINFOREQUEST']._serialized_end=802
-  _globals['_RELEASEREQUEST']._serialized_start=804
-  _globals['_RELEASEREQUEST']._serialized_end=840
-  _globals['_RELEASERESPONSE']._serialized_start=842
-  _globals['_RELEASERESPONSE']._serialized_end=877
+  _globals['_TOKENDELTA']._serialized_end=194
+  _globals['_DISTRIBUTION']._serialized_start=196
+  _globals['_DISTRIBUTION']._serialized_end=252
+  _globals['_MODELINFO']._serialized_start=255
+  _globals['_MODELINFO']._serialized_end=568
+  _globals['_KVBLOCK']._serialized_start=571
+  _globals['_KVBLOCK']._serialized_end=709
+  _globals['_TOKENTREE']._serialized_start=711
+  _globals['_TOKENTREE']._serialized_end=804
+  _globals['_GETINFOREQUEST']._serialized_start=806
+  _globals['_GETINFOREQUEST']._serialized_end=822
+  _globals['_RELEASEREQUEST']._serialized_start=824
+  _globals['_RELEASEREQUEST']._serialized_end=860
+  _globals['_RELEASERESPONSE']._serialized_start=862
+  _globals['_RELEASERESPONSE']._serialized_end=897
 # @@protoc_insertion_point(module_scope)

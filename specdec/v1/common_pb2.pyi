@@ -19,12 +19,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("prefix_len", "tokens")
+    __slots__ = ("prefix_len", "tokens", "prompt_len")
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     prefix_len: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class Distribution(_message.Message):
     __slots__ = ("indices", "values_fp16")

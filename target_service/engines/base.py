@@ -41,9 +41,10 @@ class TargetBackend(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+    def prefill(self, session_id: str, prefix_len: int, delta: list[int], prompt_len: int = 0) -> int:
         """Keep the session's first prefix_len cached tokens, append delta; returns the cached length.
-        Raises specdec.core.kv_cache.CacheMiss when the engine holds fewer than prefix_len tokens."""
+        prompt_len: the context's first prompt_len tokens are the session's prompt (TokenDelta.prompt_len; 0: not
+        said). Raises specdec.core.kv_cache.CacheMiss when the engine holds fewer than prefix_len tokens."""
 
     def verify(self, task: VerifyTask) -> VerifyOutcome:
         """Context delta + draft block in one forward, the block's rows judged by specdec.core.sampling.verify;

@@ -38,6 +38,7 @@ class VerifyJob:
     # set by a batched Decode: the session object it prefilled, used instead of a store lookup so that another
     # session evicting it between the steps cannot lose its tokens (an engine's own type; None: look it up)
     session: object | None = None
+    prompt_len: int = 0  # the context's first prompt_len tokens are the session's prompt (0: not said)
     result: VerifyOutcome | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -62,12 +63,13 @@ class VerifyTask:
     seed: int = 0
     step: int = 0
     tree_parents: list[int] | None = None
+    prompt_len: int = 0  # TokenDelta.prompt_len: the context's first prompt_len tokens are the prompt (0: not said)
 
     def job(self) -> VerifyJob:
         """The batcher's mutable record of this verify (its own copies of the lists)."""
         return VerifyJob(self.session_id, self.prefix_len, list(self.delta), list(self.draft_tokens),
                          self.draft_probs, self.params, self.seed, self.step,
-                         None if self.tree_parents is None else list(self.tree_parents))
+                         None if self.tree_parents is None else list(self.tree_parents), prompt_len=self.prompt_len)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class DecodeTask:
     seed: int = 0
     step: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    prompt_len: int = 0  # TokenDelta.prompt_len: the context's first prompt_len tokens are the prompt (0: not said)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))

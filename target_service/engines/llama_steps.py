@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from specdec.core import sampling
 from specdec.core.kv_cache import ContextTooLong
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome
+from target_service.engines.llama_prompt import prompt_piece
 
 SPLIT_SAFE_ROWS = 512  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
 
@@ -33,10 +34,13 @@ class Work:
     `next_piece()` step by step, and hands the final piece's logits to `finish_piece`, which either ends the work
     or refills `rows` (a stream's next token)."""
 
-    def __init__(self, session_id: str, prefix_len: int, delta: list[int], deadline: float | None):
+    def __init__(self, session_id: str, prefix_len: int, delta: list[int], deadline: float | None,
+                 prompt_len: int = 0):
         self.session_id, self.prefix_len, self.delta, self.deadline = session_id, prefix_len, list(delta), deadline
+        self.prompt_len = prompt_len  # the context's first prompt_len tokens are the session's prompt (0: not said)
         self.seq = None  # the engine's _Sequence once admitted
         self.rows: list[int] = []
+        self.prompt_rows = 0  # the first rows of `rows` that the prompt context computes (llama_prompt.py)
         self.n_logits = 0
         self.cancelled = False
         self.started = time.perf_counter()
@@ -76,8 +80,8 @@ class Work:
 class PrefillWork(Work):
     """Append the delta to the session's cache; the result is the cached length."""
 
-    def __init__(self, session_id, prefix_len, delta, deadline):
-        super().__init__(session_id, prefix_len, delta, deadline)
+    def __init__(self, session_id, prefix_len, delta, deadline, prompt_len: int = 0):
+        super().__init__(session_id, prefix_len, delta, deadline, prompt_len)
         self.event = threading.Event()
         self.cached_len = 0
         self.error: BaseException | None = None
@@ -109,7 +113,7 @@ class VerifyWork(Work):
     cache. The outcome goes to the VerifyJob."""
 
     def __init__(self, job: VerifyJob):
-        super().__init__(job.session_id, job.prefix_len, job.delta, job.deadline)
+        super().__init__(job.session_id, job.prefix_len, job.delta, job.deadline, job.prompt_len)
         self.job = job
         self.n_logits = len(job.draft_tokens) + 1
         self.context_len = 0
@@ -169,7 +173,7 @@ class DecodeWork(Work):
     blocks (take()) while the engine goes on decoding."""
 
     def __init__(self, task: DecodeTask, deadline: float | None):
-        super().__init__(task.session_id, task.prefix_len, task.delta, deadline)
+        super().__init__(task.session_id, task.prefix_len, task.delta, deadline, task.prompt_len)
         self.n_logits, self.max_tokens, self.params = 1, task.max_tokens, task.params
         self.stop_token_ids = task.stop_token_ids
         self.gen = None if task.params.is_greedy else sampling.make_generator(task.seed, task.step, "decode")
@@ -294,7 +298,9 @@ class StepLoop:
         """One engine step: admit new works, compose the batch, one llama_decode, hand each work its rows."""
         try:
             with self._lock:
-                chosen = self._compose(works, time.monotonic())
+                chosen, prompt = self._compose(works, time.monotonic())
+                if prompt:
+                    self._run_prompt_piece(*prompt)
                 if chosen:
                     self._run_step(chosen)
                 for work in works:
@@ -303,8 +309,11 @@ class StepLoop:
                     if work.done and work.seq is not None:
                         self._busy.discard(work.session_id)
                         work.seq = None
+                if self._prompt_owner is not None and self._prompt_owner.done:
+                    self._prompt_reset()
         except BaseException as e:  # noqa: BLE001 - a bug here must fail the works, not the loop
             log.exception("llama.cpp engine step failed")
+            self._prompt_reset()
             for work in works:
                 if not work.done:
                     work.fail(e)
@@ -326,17 +335,21 @@ class StepLoop:
                 work.finish_piece(self, None)  # nothing to feed
                 return False
             new = self._sync(seq, work.prefix_len, work.delta)
+            new, prompt_rows = self._prompt_rows(seq, new, work.prompt_len, work.n_logits > 0)
         except Exception as e:  # noqa: BLE001 - reported to this work's caller only
             work.fail(e)
             return False
         work.admit(seq, new)
+        work.prompt_rows = prompt_rows
         self._busy.add(work.session_id)
         return True
 
-    def _compose(self, works: list[Work], now: float) -> list[tuple[Work, list[int], int]]:
-        """The step's batch: (work, tokens, logits rows wanted). Each session's earliest unfinished work; first the
-        pieces that end in logits (streams' tokens, verify blocks) within the token budget, then prompt pieces,
-        fewer of them while others generate. Sessions beyond step_sessions, in a rotating order, wait a step."""
+    def _compose(self, works: list[Work], now: float):
+        """The step's batch, (work, tokens, logits rows wanted) each, and its prompt-context piece, (work, rows) or
+        None. Each session's earliest unfinished work; first the pieces that end in logits (streams' tokens, verify
+        blocks) within the token budget, then prompt pieces, fewer of them while others generate. Sessions beyond
+        step_sessions, in a rotating order, wait a step. A work whose first rows are the prompt context's
+        (llama_prompt.py) feeds those there first, one session's prompt at a time."""
         ready, seen = [], set()
         for work in works:
             if work.done or work.session_id in seen:
@@ -345,6 +358,17 @@ class StepLoop:
             if work.cancelled or (work.seq is None and not self._admit(work, now)):
                 continue
             ready.append(work)
+        prompting = [w for w in ready if w.prompt_rows]
+        ready = [w for w in ready if not w.prompt_rows]
+        prompt = None
+        if prompting:
+            owner = next((w for w in prompting if w is self._prompt_owner), prompting[0])
+            limit = self.batch_tokens if not ready and len(prompting) == 1 else self.PREFILL_ROWS_PER_STEP
+            prompt = (owner, prompt_piece(owner.prompt_rows, limit, self.batch_tokens))
+        return self._compose_main(ready), prompt
+
+    def _compose_main(self, ready: list[Work]) -> list[tuple[Work, list[int], int]]:
+        """The main context's batch of the ready works (see _compose)."""
         if not ready:
             return []
         k = self.steps % len(ready)
@@ -374,6 +398,34 @@ class StepLoop:
                 if not final:
                     prompt_budget -= len(piece)
         return chosen
+
+    def _run_prompt_piece(self, work: Work, n: int) -> None:
+        """Feed the work's next n prompt rows to the prompt context; after its last, move them to the session's
+        sequence (a Prefill with nothing after the prompt then ends)."""
+        if self._prompt_owner is not work:
+            self._prompt_reset()
+            self._prompt_owner = work
+        piece = work.rows[:n]
+        try:
+            self._decode_prompt(piece, len(self._prompt_tokens))
+            self._prompt_tokens += piece
+            work.fed(n)
+            work.prompt_rows -= n
+            if work.prompt_rows:
+                return
+            self._move_prompt(work.seq)
+            work.seq.tokens.extend(self._prompt_tokens)
+        except Exception as e:  # noqa: BLE001 - the forward failed: this work fails
+            work.fail(e)
+            return
+        finally:
+            if not work.prompt_rows or work.done:
+                self._prompt_reset()
+        if not work.rows:
+            try:
+                work.finish_piece(self, None)
+            except Exception as e:  # noqa: BLE001 - reported to this work's caller
+                work.fail(e)
 
     def _run_step(self, chosen: list[tuple[Work, list[int], int]]) -> None:
         entries, rollback = [], []

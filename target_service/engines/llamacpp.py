@@ -32,6 +32,7 @@ from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.core.settings import LONG_DRAFT_LEN
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
+from target_service.engines.llama_prompt import PROMPT_KV_BYTES_PER_VALUE, move_sequence, prompt_region
 from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
@@ -143,12 +144,20 @@ class LlamaCppEngine(StepLoop):
         llama_cpp.llama_backend_init()
         path = pathlib.Path(model_path)
         self._model = self._load_model(path)
+        self._ctx = self._prompt_ctx = None
         try:
             session_context = self._plan_cache(settings)
             self._ctx = self._new_context(settings.threads)
+            if not self.kv_unified:  # the unified pool is not batch-invariant anyway: its prompts take the main path
+                self._prompt_ctx = self._new_prompt_context(settings.threads, session_context)
         except BaseException:
+            for ctx in (self._ctx, self._prompt_ctx):
+                if ctx:
+                    llama_cpp.llama_free(ctx)
             llama_cpp.llama_model_free(self._model)
             raise
+        self._prompt_owner = None  # the work whose prompt the prompt context holds (llama_prompt.py)
+        self._prompt_tokens: list[int] = []
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
         self.loaded = self._describe(path, settings.model, session_context)
@@ -199,8 +208,10 @@ class LlamaCppEngine(StepLoop):
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self._n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
         head_dim = llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)
-        self.kv_bytes_per_token = int(KV_BYTES_PER_VALUE * llama_cpp.llama_model_n_layer(model) *
-                                      llama_cpp.llama_model_n_head_kv(model) * head_dim)
+        self._n_layer = int(llama_cpp.llama_model_n_layer(model))
+        values = self._n_layer * llama_cpp.llama_model_n_head_kv(model) * head_dim  # a token's, per K or V
+        self.kv_bytes_per_token = int(KV_BYTES_PER_VALUE * values)
+        self.prompt_kv_bytes_per_token = int(PROMPT_KV_BYTES_PER_VALUE * values)
         return model
 
     def _plan_cache(self, settings: TargetSettings) -> int:
@@ -211,8 +222,10 @@ class LlamaCppEngine(StepLoop):
         # a tree's scratch ones.
         self._reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
         asked_context = min(self._n_ctx_train, settings.llama_session_context)
+        # the prompt context's one stream of a session's context (float16 keys and values) comes out of the budget
+        prompt_mib = 0 if kv_unified else -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
         plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
-                          budget_mib=settings.max_cache_mb, context_cells=settings.llama_context,
+                          budget_mib=max(1, settings.max_cache_mb - prompt_mib), context_cells=settings.llama_context,
                           reserved_sequences=self._reserved,
                           max_sequences=int(self._ll.llama_max_parallel_sequences()), unified=kv_unified)
         if plan.shortfall:
@@ -248,6 +261,22 @@ class LlamaCppEngine(StepLoop):
         if not ctx:
             raise MemoryError(f"llama.cpp could not create a context of {self.context_tokens} tokens "
                               f"({self.context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
+        return ctx
+
+    def _new_prompt_context(self, threads: int, session_context: int):
+        """The prompt context (llama_prompt.py): one sequence of a session's context, float16 keys and values."""
+        cparams = self._ll.llama_context_default_params()
+        cparams.n_seq_max = 1
+        cparams.n_ctx = session_context
+        cparams.n_batch = cparams.n_ubatch = self.batch_tokens
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        cparams.flash_attn_type = self._ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = cparams.type_v = self._ll.GGML_TYPE_F16
+        cparams.no_perf = True
+        ctx = self._ll.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise MemoryError(f"llama.cpp could not create the prompt context of {session_context} tokens")
         return ctx
 
     def _describe(self, path: pathlib.Path, name: str, session_context: int) -> LlamaModelInfo:
@@ -300,8 +329,10 @@ class LlamaCppEngine(StepLoop):
             if self._ctx:
                 self._ll.llama_batch_free(self._batch)
                 self._ll.llama_free(self._ctx)
+                if self._prompt_ctx:
+                    self._ll.llama_free(self._prompt_ctx)
                 self._ll.llama_model_free(self._model)
-                self._ctx = self._model = None
+                self._ctx = self._prompt_ctx = self._model = None
 
     # ----- sessions (call with self._lock held) -----
 
@@ -354,6 +385,49 @@ class LlamaCppEngine(StepLoop):
             delta = [seq.tokens[-1]]  # its logits are not kept: feed it again
             self._crop(seq, len(seq.tokens) - 1)
         return list(delta)
+
+    # ----- the prompt context (llama_prompt.py; call with self._lock held, on the compute thread) -----
+
+    def _prompt_rows(self, seq: _Sequence, new: list[int], prompt_len: int, wants_logits: bool):
+        """(the rows to feed, how many of the first go through the prompt context). A cache holding part of the
+        prompt region only (an earlier call brought part of the prompt) is cropped and the region fed whole."""
+        if self._prompt_ctx is None or prompt_len <= 0:
+            return new, 0
+        cached = len(seq.tokens)
+        if cached + len(new) > self.loaded.max_context:
+            raise ContextTooLong(f"context of {cached + len(new)} tokens exceeds the limit of "
+                                 f"{self.loaded.max_context}")
+        end = prompt_region(prompt_len, cached, cached + len(new), wants_logits)
+        if not end:
+            return new, 0
+        if cached:
+            new = seq.tokens + new
+            self._crop(seq, 0)
+        return new, end
+
+    def _decode_prompt(self, tokens: list[int], start: int) -> None:
+        """llama_decode `tokens` at positions start.. of the prompt context's sequence, no logits."""
+        batch = self._batch
+        for j, token in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, False
+            batch.seq_id[j][0] = 0
+        batch.n_tokens = len(tokens)
+        rc = self._ll.llama_decode(self._prompt_ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode of a prompt piece failed (code {rc})")
+
+    def _move_prompt(self, seq: _Sequence) -> None:
+        """The prompt context's sequence into the session's (its values rounded to q8_0)."""
+        moved = move_sequence(self._ll, self._prompt_ctx, self._ctx, seq.seq_id,
+                              self.cache_plan.sessions + self._reserved, self._n_layer)
+        if moved != len(self._prompt_tokens):
+            raise RuntimeError(f"moved {moved} prompt cells, expected {len(self._prompt_tokens)}")
+
+    def _prompt_reset(self) -> None:
+        """Empty the prompt context; no work holds it."""
+        if self._prompt_ctx and (self._prompt_tokens or self._prompt_owner is not None):
+            self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
+        self._prompt_owner, self._prompt_tokens = None, []
 
     def _forward(self, rows: list[tuple[_Sequence, list[int], int]]) -> list[np.ndarray]:
         """Append each row's tokens to its sequence in as few llama_decode calls as the batch size allows;
@@ -431,9 +505,9 @@ class LlamaCppEngine(StepLoop):
         now = time.monotonic()
         return deadline, (LlamaCppEngine.DEFAULT_WAIT_S if deadline is None else max(0.0, deadline - now))
 
-    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+    def prefill(self, session_id: str, prefix_len: int, delta: list[int], prompt_len: int = 0) -> int:
         deadline, wait = self._wait_s()
-        work = PrefillWork(session_id, prefix_len, delta, deadline)
+        work = PrefillWork(session_id, prefix_len, delta, deadline, prompt_len)
         self._enqueue([work])
         return work.result(wait)
 

@@ -54,7 +54,7 @@ class TargetEngine:
 
         return measure_profile(forward_ms, max_tokens, reps)
 
-    def prefill(self, session_id: str, prefix_len: int, delta: list[int]) -> int:
+    def prefill(self, session_id: str, prefix_len: int, delta: list[int], prompt_len: int = 0) -> int:
         """One prefill at a time, in arrival order: concurrent prefills share the cores and all finish late (32 at
         once on 2 loaded cores all passed the orchestrator's 30 s deadline, so every session failed); one after
         another, the first are served at once. A prefill whose caller stopped waiting is skipped."""

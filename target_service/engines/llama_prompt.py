@@ -1,0 +1,140 @@
+"""The llama.cpp engine's prompt path: a session's prompt computed in llama.cpp's fast tiled flash-attention kernel,
+then handed to the engine's main context, whose tokens after the prompt all take the one-pass kernel.
+
+The main context keeps float16 keys and q8_0 values, which takes every row (a target-only step, a verify block,
+rows beside other sessions') through the one-pass kernel: bitwise the same logits however a step is composed
+(docs/engines.md, "Kernel shape"). That kernel is slow on long prompts: each row runs over all its keys one at a
+time. A second context, the *prompt context* (one sequence, float16 keys and values, as plain llama.cpp's cache),
+computes a prompt in calls of at least PROMPT_TILE_ROWS rows of the one sequence, which llama.cpp computes in tiles,
+each row's result a function of its own query and keys alone (not of the other rows of its call). The sequence's
+keys and values then move to the session's sequence in the main context (llama_state_seq_get_data / set_data),
+the values rounded to q8_0 on the way.
+
+What goes which way is a function of the session's tokens and its prompt length only (prompt_region), so a
+session's cache is the same whichever calls brought its tokens, and a context resent after an eviction or a move
+to another target (the orchestrator sends the prompt length with every delta) is rebuilt bit for bit."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+
+# llama.cpp's CPU flash attention (llama-cpp-python 0.3.36) computes a call's rows in tiles when a sequence has at
+# least this many rows in it (GGML_FA_TILE_Q) and keys and values are of one float type.
+PROMPT_TILE_ROWS = 64
+PROMPT_KV_BYTES_PER_VALUE = 2 + 2  # the prompt context's float16 key and value per layer, kv head and dimension
+GGML_TYPE_F16, GGML_TYPE_Q8_0 = 1, 8
+STATE_MAGIC, STATE_PREFIX = 0xAF143CD8, 8  # a sequence state's leading u32 magic and u32 version (0.3.36)
+Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34  # values per q8_0 block; a float16 scale and 32 int8
+VALUE_ROTATION = 64  # llama.cpp stores quantized values rotated by a Hadamard matrix of this size (n_rot_v)
+
+
+def prompt_region(prompt_len: int, cached: int, total: int, wants_logits: bool) -> int:
+    """How many of a session's first positions the prompt context computes, for a call that holds `cached`
+    tokens and will hold `total`: the prompt but its last token (whose row gives the first generated token's
+    logits, as any later step's, in the main context), never the row a call wants logits of; 0 (all in the main
+    context) when that leaves fewer than PROMPT_TILE_ROWS rows, or when the cache already holds the region."""
+    end = min(prompt_len - 1, total - (1 if wants_logits else 0))
+    if end < PROMPT_TILE_ROWS or cached >= end:
+        return 0
+    return end
+
+
+def prompt_piece(left: int, limit: int, batch: int) -> int:
+    """Rows of the next prompt-context call with `left` (>= PROMPT_TILE_ROWS) rows to go: at most `limit` where
+    that leaves no remainder under PROMPT_TILE_ROWS rows, so every call takes the tiled kernel."""
+    if left <= limit or (left < limit + PROMPT_TILE_ROWS and left <= batch):
+        return left
+    if left - limit >= PROMPT_TILE_ROWS:
+        return limit
+    return left - PROMPT_TILE_ROWS
+
+
+def quantize_q8_0(values: np.ndarray) -> np.ndarray:
+    """[rows, n] floats -> [rows, n / 32 * 34] bytes of q8_0 blocks, as ggml's x86 quantize_row_q8_0: a float16
+    scale amax / 127 and round-half-even(x * 127 / amax) per block of 32."""
+    x = values.astype(np.float32).reshape(values.shape[0], -1, Q8_0_BLOCK)
+    amax = np.abs(x).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    out = np.empty((x.shape[0], x.shape[1], Q8_0_BLOCK_BYTES), np.uint8)
+    out[:, :, :2] = (amax / np.float32(127)).astype(np.float16).view(np.uint8)
+    out[:, :, 2:] = np.rint(x * inv).astype(np.int8).view(np.uint8)
+    return out.reshape(x.shape[0], -1)
+
+
+def hadamard_rotated(values: np.ndarray) -> np.ndarray:
+    """Each run of VALUE_ROTATION values times the orthonormal Walsh-Hadamard matrix, as llama.cpp rotates the
+    values it stores quantized (llama-kv-cache.cpp, n_rot_v; the attention's output is rotated back): a butterfly of
+    exact sums and differences, then the exact power-of-two scale."""
+    x = values.astype(np.float32).reshape(-1, VALUE_ROTATION)
+    h = 1
+    while h < VALUE_ROTATION:
+        x = x.reshape(x.shape[0], -1, 2, h)
+        x = np.stack([x[:, :, 0] + x[:, :, 1], x[:, :, 0] - x[:, :, 1]], axis=2)
+        h *= 2
+    return (x.reshape(values.shape) * np.float32(VALUE_ROTATION ** -0.5)).astype(np.float32)
+
+
+def requantized_state(state: bytes, streams: int, n_layer: int) -> tuple[bytes, int]:
+    """A sequence's state from the one-stream prompt context (float16 keys and values) as the main context reads
+    it, and its cells: `streams` streams (the sequence's cells in the first, read into the destination sequence's own), the
+    values as q8_0. Format (llama-kv-cache.cpp state_write): u32 streams; per stream u32 cells, then per cell
+    i32 pos, u32 n_seq_id (1), i32 seq_id; then u32 v_trans, u32 n_layer (and in newer llama.cpp two u32 rotation
+    counts); per layer i32 key type, u64 row bytes, the rows; the same for the values. llama-cpp-python 0.3.36
+    puts a u32 magic and a u32 version before it (STATE_PREFIX), kept as they are."""
+    prefix = STATE_PREFIX if struct.unpack_from("<I", state, 0)[0] == STATE_MAGIC else 0
+    n_stream, cells = struct.unpack_from("<II", state, prefix)
+    if n_stream != 1:
+        raise ValueError(f"the prompt context's state has {n_stream} streams, not 1")
+    meta_end = prefix + 8 + 12 * cells
+    rows_end = len(state)
+    row = _row_bytes(state, rows_end, meta_end, cells, n_layer)
+    header_end = rows_end - 2 * n_layer * (12 + cells * row)
+    v_trans, layers = struct.unpack_from("<II", state, meta_end)
+    if v_trans or layers != n_layer:
+        raise ValueError(f"unexpected prompt state: v_trans {v_trans}, {layers} layers (expected {n_layer})")
+    out = [state[:prefix], struct.pack("<II", streams, cells), state[prefix + 8:header_end]]
+    at = header_end
+    for section in range(2 * n_layer):
+        kind, size = struct.unpack_from("<iQ", state, at)
+        if kind != GGML_TYPE_F16 or size != row:
+            raise ValueError(f"unexpected prompt state section: type {kind}, row {size} bytes")
+        body = state[at + 12: at + 12 + cells * row]
+        if section < n_layer:  # keys: float16 in both contexts
+            out += [state[at: at + 12], body]
+        else:
+            q8 = quantize_q8_0(hadamard_rotated(np.frombuffer(body, np.float16).reshape(cells, row // 2)))
+            out += [struct.pack("<iQ", GGML_TYPE_Q8_0, q8.shape[1]), q8.tobytes()]
+        at += 12 + cells * row
+    out.append(b"\0\0\0\0" * (streams - 1))  # the other streams: no cells
+    return b"".join(out), cells
+
+
+def _row_bytes(state: bytes, end: int, meta_end: int, cells: int, n_layer: int) -> int:
+    """Bytes of one cell's key row (float16, equal to its value row): the first key section's header says it."""
+    for header in (8, 16):  # u32 v_trans, u32 n_layer (+ two u32 rotation counts in newer llama.cpp)
+        at = meta_end + header
+        if at + 12 > end:
+            break
+        kind, size = struct.unpack_from("<iQ", state, at)
+        if kind == GGML_TYPE_F16 and at + 2 * n_layer * (12 + cells * size) == end:
+            return size
+    raise ValueError("the prompt context's state is not in a known llama.cpp layout")
+
+
+def move_sequence(ll, src_ctx, dst_ctx, dst_seq: int, streams: int, n_layer: int) -> int:
+    """Copy sequence 0 of the prompt context into dst_seq of the main context (whose earlier cells it replaces),
+    values rounded to q8_0; returns the cells moved. The prompt context's sequence is left as it was."""
+    size = ll.llama_state_seq_get_size(src_ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    got = ll.llama_state_seq_get_data(src_ctx, buf, size, 0)
+    if got != size:
+        raise RuntimeError(f"llama.cpp wrote {got} of the prompt's {size} state bytes")
+    state, cells = requantized_state(bytes(buf), streams, n_layer)
+    src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    if ll.llama_state_seq_set_data(dst_ctx, src, len(state), dst_seq) != len(state):
+        raise RuntimeError(f"llama.cpp could not take the prompt's {cells} cells into sequence {dst_seq}")
+    return cells
