@@ -117,14 +117,16 @@ def test_greedy_verification_on_the_rag_prompt_equals_target_only_decoding(engin
 
 
 def feed_prompt(engine, sid: str, tokens: list[int], piece: int) -> None:
-    """The prompt through the prompt context in calls of `piece` rows (the last may be longer, up to 2 * piece),
+    """The prompt through the prompt context in calls of `piece` rows (the last ones cut as prompt_piece does),
     then moved to the session's sequence: what the step loop does with other piece sizes."""
+    from target_service.engines.llama_prompt import prompt_piece
+
     def run():
         with engine._lock:
             seq = engine._sequence(sid)
             at = 0
             while at < len(tokens):
-                n = piece if len(tokens) - at >= 2 * piece else len(tokens) - at
+                n = prompt_piece(len(tokens) - at, piece, engine.batch_tokens)
                 engine._decode_prompt(tokens[at:at + n], at)
                 engine._prompt_tokens += tokens[at:at + n]
                 at += n

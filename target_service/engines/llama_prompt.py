@@ -125,15 +125,42 @@ def _row_bytes(state: bytes, end: int, meta_end: int, cells: int, n_layer: int) 
     raise ValueError("the prompt context's state is not in a known llama.cpp layout")
 
 
+def first_layer_values(state: bytes, n_layer: int, values: int) -> np.ndarray:
+    """The first layer's values of the first stream holding cells in a sequence state (float16 or q8_0; the layout
+    of requantized_state), as float32 [cells, values]."""
+    prefix = STATE_PREFIX if struct.unpack_from("<I", state, 0)[0] == STATE_MAGIC else 0
+    (streams,), at = struct.unpack_from("<I", state, prefix), prefix + 4
+    cells = 0
+    for _ in range(streams):
+        (cells,), at = struct.unpack_from("<I", state, at), at + 4
+        if cells:
+            break
+    at += 12 * cells
+    at += next(h for h in (8, 16) if struct.unpack_from("<iQ", state, at + h) == (GGML_TYPE_F16, 2 * values))
+    for _ in range(n_layer):  # the keys
+        at += 12 + cells * struct.unpack_from("<iQ", state, at)[1]
+    kind, row = struct.unpack_from("<iQ", state, at)
+    body = np.frombuffer(state, np.uint8, cells * row, at + 12).reshape(cells, row)
+    if kind == GGML_TYPE_F16:
+        return body.view(np.float16).astype(np.float32)
+    blocks = body.reshape(cells, -1, Q8_0_BLOCK_BYTES)
+    scale = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
+    return (scale * blocks[:, :, 2:].view(np.int8).astype(np.float32)).reshape(cells, -1)
+
+
+def sequence_state(ll, ctx, seq_id: int) -> bytes:
+    size = ll.llama_state_seq_get_size(ctx, seq_id)
+    buf = (ctypes.c_uint8 * size)()
+    got = ll.llama_state_seq_get_data(ctx, buf, size, seq_id)
+    if got != size:
+        raise RuntimeError(f"llama.cpp wrote {got} of sequence {seq_id}'s {size} state bytes")
+    return bytes(buf)
+
+
 def move_sequence(ll, src_ctx, dst_ctx, dst_seq: int, streams: int, n_layer: int) -> int:
     """Copy sequence 0 of the prompt context into dst_seq of the main context (whose earlier cells it replaces),
     values rounded to q8_0; returns the cells moved. The prompt context's sequence is left as it was."""
-    size = ll.llama_state_seq_get_size(src_ctx, 0)
-    buf = (ctypes.c_uint8 * size)()
-    got = ll.llama_state_seq_get_data(src_ctx, buf, size, 0)
-    if got != size:
-        raise RuntimeError(f"llama.cpp wrote {got} of the prompt's {size} state bytes")
-    state, cells = requantized_state(bytes(buf), streams, n_layer)
+    state, cells = requantized_state(sequence_state(ll, src_ctx, 0), streams, n_layer)
     src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
     if ll.llama_state_seq_set_data(dst_ctx, src, len(state), dst_seq) != len(state):
         raise RuntimeError(f"llama.cpp could not take the prompt's {cells} cells into sequence {dst_seq}")

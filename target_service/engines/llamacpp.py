@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import logging
 import pathlib
 import threading
@@ -32,7 +33,8 @@ from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.core.settings import LONG_DRAFT_LEN
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
-from target_service.engines.llama_prompt import PROMPT_KV_BYTES_PER_VALUE, move_sequence, prompt_region
+from target_service.engines.llama_prompt import (PROMPT_KV_BYTES_PER_VALUE, first_layer_values, move_sequence,
+                                                 prompt_region, sequence_state)
 from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
@@ -191,6 +193,8 @@ class LlamaCppEngine(StepLoop):
         self.last_step_sessions = 0
         self._loop_thread = threading.Thread(target=self._step_loop, name="llama-compute", daemon=True)
         self._loop_thread.start()
+        if self._prompt_ctx:
+            self._on_compute(self._check_prompt_context)
         log.info("llama.cpp engine: %s, %d threads, %d sessions in %d KV cells", path.name, settings.threads,
                  self.max_sessions, self.context_tokens)
 
@@ -426,8 +430,38 @@ class LlamaCppEngine(StepLoop):
     def _prompt_reset(self) -> None:
         """Empty the prompt context; no work holds it."""
         if self._prompt_ctx and (self._prompt_tokens or self._prompt_owner is not None):
-            self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
+            self._prompt_reset_memory()
         self._prompt_owner, self._prompt_tokens = None, []
+
+    def _prompt_reset_memory(self) -> None:
+        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
+
+    def _check_prompt_context(self) -> None:
+        """A token's first-layer values (a function of its embedding alone) moved from the prompt context against
+        the main context's own: a llama.cpp whose state layout or value rotation is not the one llama_prompt.py
+        writes fails this, and prompts then take the main context, with a warning. Runs before any session."""
+        token, values = 1, self.prompt_kv_bytes_per_token // PROMPT_KV_BYTES_PER_VALUE // self._n_layer
+        try:
+            self._decode_prompt([token], 0)
+            self._prompt_tokens = [token]
+            self._move_prompt(_Sequence("\x00check", 0))
+            self._decode([((1,), token, 0, False)], [(1, 0)])
+            moved, own = (first_layer_values(sequence_state(self._ll, self._ctx, s), self._n_layer, values)
+                          for s in (0, 1))
+            gap = float(np.abs(moved - own).max() / max(np.abs(own).max(), 1e-6))
+            if gap > 0.05:
+                raise ValueError(f"the values differ by {gap:.3g} of their largest")
+        except (ValueError, RuntimeError, StopIteration, struct.error) as e:
+            log.warning("llama.cpp prompt context off (prompts take the main context): moving a prompt's cache "
+                        "into the main context failed its check (%s)", e)
+            self._ll.llama_free(self._prompt_ctx)
+            self._prompt_ctx = None
+        finally:
+            for seq_id in (0, 1):
+                self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            self._prompt_owner, self._prompt_tokens = None, []
+            if self._prompt_ctx:
+                self._prompt_reset_memory()
 
     def _forward(self, rows: list[tuple[_Sequence, list[int], int]]) -> list[np.ndarray]:
         """Append each row's tokens to its sequence in as few llama_decode calls as the batch size allows;
