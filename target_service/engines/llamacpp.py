@@ -36,7 +36,7 @@ from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
                                                 VerifyWork, Work)
-from target_service.engines.profile import measure_profile
+from target_service.engines.profile import cpu_engine_profile
 from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target.llamacpp")
@@ -149,6 +149,7 @@ class LlamaCppEngine(StepLoop):
         except BaseException:
             llama_cpp.llama_model_free(self._model)
             raise
+        self.threads = settings.threads  # llama.cpp's threads: all busy during a forward (the profile's guard)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
         self.loaded = self._describe(path, settings.model, session_context)
@@ -574,7 +575,7 @@ class LlamaCppEngine(StepLoop):
                     self._crop(seq, context)
                     return dt
 
-                return measure_profile(forward_ms, max_tokens, reps)
+                return cpu_engine_profile(forward_ms, max_tokens, reps, threads=self.threads)
             finally:
                 self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
                 self._free_ids.append(seq.seq_id)
