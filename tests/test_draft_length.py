@@ -237,8 +237,8 @@ class SimulatedCpuEngine:
 
     THREADS = 2
 
-    def __init__(self, loaded):
-        self.loaded, self.calls, self.cpu_s = loaded, 0, 0.0
+    def __init__(self, loaded, stall_ms: float = 60.0):
+        self.loaded, self.stall_ms, self.calls, self.cpu_s = loaded, stall_ms, 0, 0.0
 
     @staticmethod
     def compute_ms(n: int) -> float:
@@ -247,7 +247,7 @@ class SimulatedCpuEngine:
     def forward_ms(self, n: int) -> float:
         self.calls += 1
         compute = self.compute_ms(n)
-        stall = 60.0 if self.loaded(self.calls) else 0.0
+        stall = self.stall_ms if self.loaded(self.calls) else 0.0
         self.cpu_s += (self.THREADS * compute + stall) / 1e3
         return compute + stall
 
@@ -316,6 +316,21 @@ def test_a_profile_loaded_throughout_falls_back_to_a_conservative_curve(caplog):
     for _ in range(100):
         prior.update(10, 9)  # drafts that are nearly always accepted
     assert GoodputDraftLength(31, TargetCost(flat), prior).k > GoodputDraftLength(31, TargetCost(prof), prior).k
+
+
+def test_a_slow_failed_profile_is_not_measured_again(caplog):
+    """A profile that took over RETRY_WITHIN_MS (here 92 forwards each waiting 400 ms for a core: a CPU quota's
+    share of a core) goes straight to the conservative curve: start-up does not pay for it twice."""
+    from target_service.engines.profile import FALLBACK_STEP_SLOPE
+
+    caplog.set_level("WARNING", "specdec.target")
+    engine = SimulatedCpuEngine(lambda call: True, stall_ms=400.0)
+    prof = _guarded(engine)
+    calls_per_profile = engine.calls
+    assert calls_per_profile == 92  # one profile's forwards: (3 + 1 warm-up) x (1 + 2 x 11 sizes)
+    assert prof[31] / prof[0] >= 1 + FALLBACK_STEP_SLOPE * 31 - 1e-3
+    first = _profile_warnings(caplog)[0]
+    assert first.action == "conservative curve" and first.attempt == 1 and first.profile_s > 15
 
 
 def test_a_flat_cpu_profile_is_implausible_even_with_the_cores_to_itself(caplog):

@@ -76,6 +76,10 @@ MIN_STEP_SLOPE = 0.05
 # above them (1.71 steps for 2 tokens on a 2-vCPU AVX2 EPYC; 4.7 for 8, 17.8 for 32 on a 2-vCPU AVX-512 Xeon), so
 # the policy errs towards shorter blocks, which cost at most the speculation a quiet profile would have allowed.
 FALLBACK_STEP_SLOPE = 0.7
+# A failed profile is measured again only if it took at most this long (a profile takes a few seconds on free cores;
+# one that took longer ran on a share of a core, a CPU quota's or a loaded host's, that the next one would get too,
+# and start-up should not pay twice for it).
+RETRY_WITHIN_MS = 15_000.0
 
 
 class _CpuMeter:
@@ -119,8 +123,9 @@ def cpu_engine_profile(forward_ms, max_tokens: int, reps: int = 3, *, threads: i
     """measure_profile for a CPU engine whose `threads` compute (or spin at barriers) throughout a forward, as
     llama.cpp's do, with a guard against a loaded machine: the process's CPU time over the forwards must be most of
     threads x their wall time, and the curve must rise as a CPU forward does (`implausible`). A profile that fails
-    is measured again, up to `attempts` times; if every one fails, the one taken with the most CPU is raised to the
-    conservative curve. Each failure is logged (a structured warning with the reason and the CPU share)."""
+    is measured again, up to `attempts` times (while one takes at most RETRY_WITHIN_MS); then the one taken with the
+    most CPU is raised to the conservative curve. Each failure is logged (a structured warning with the reason and
+    the CPU share)."""
     tried: list[tuple[float, list[float]]] = []
     for attempt in range(1, attempts + 1):
         meter = _CpuMeter(forward_ms, cpu_clock)
@@ -130,9 +135,12 @@ def cpu_engine_profile(forward_ms, max_tokens: int, reps: int = 3, *, threads: i
         if reason is None:
             return profile
         tried.append((share, profile))
+        again = attempt < attempts and meter.wall_ms <= RETRY_WITHIN_MS
         log.warning("forward cost profile implausible", extra={
             "reason": reason, "cpu_share": round(share, 3), "attempt": attempt, "attempts": attempts,
-            "action": "re-measure" if attempt < attempts else "conservative curve"})
+            "profile_s": round(meter.wall_ms / 1e3, 1), "action": "re-measure" if again else "conservative curve"})
+        if not again:
+            break
     share, profile = max(tried, key=lambda t: t[0])
     fallback = conservative(profile)
     log.warning("forward cost profile: conservative curve", extra={
