@@ -8,7 +8,9 @@ quiet 2-core AMD EPYC (bench/results/quick/latest.json, `overheads`): a Verify o
 times the target's step plus the Verify's round trip; a streamed token is the target's step, and each streamed
 block a wake-up of the stream's threads; a Decode call adds its round trip; closing an open stream for a Verify
 waits for the stream's step in flight, which is lost. After a long context each token also pays its attention
-(37 ms a token after the rag prompt's 1.4k tokens against 7.6 ms after a short one). Ways of running a session:
+(37 ms a token after the rag prompt's 1.4k tokens against 7.6 ms after a short one). As in a running orchestrator,
+the drafter's score evidence and the target's costs are learned over the prompts in turn, a context's token cost
+once a block of 2 or more target-only tokens has run there. Ways of running a session:
 
 - `hybrid` (hybridN: a ramp of N): what the orchestrator does (orchestrator/loop/step.py, WEAK_RAMP): blocks that
   do not pay (priced against the stream's token, with the switch while a stream is open) are not verified; right
@@ -24,7 +26,7 @@ waits for the stream's step in flight, which is lost. After a long context each 
   (`onstream`: the next draft again meets a step in flight), or the target waits for the orchestrator's answer
   (`onstream-hold`: the next draft or "go on"), one message round trip, before its next step.
 
-    python -m bench.stream_policy_replay [--prompts 16] [--max-new-tokens 48] [--json]
+    python -m bench.stream_policy_replay [--prompts 16] [--max-new-tokens 48] [--passes 1] [--modes hybrid,onstream] [--json]
 """
 
 from __future__ import annotations
@@ -78,14 +80,23 @@ class StreamBlocks:
         return n
 
 
-def policy(mode: str, evidence):
-    from orchestrator.policy.draft_length import GoodputDraftLength, TargetCost
+def target_cost(mode: str):
+    """An orchestrator's TargetCost, shared by its sessions: the curve, what it has measured of a verify's time
+    beyond the target's and of a token's after a short context; longer contexts as its sessions reach them."""
+    from orchestrator.policy.draft_length import TargetCost
 
     cost = TargetCost([STEP_MS * block_cost(n) for n in range(1, 65)])
     call_ms = STREAM_MESSAGE_MS if mode.startswith("onstream") else VERIFY_RPC_MS
-    for _ in range(20):  # what a running orchestrator has measured: a verify's time beyond the target's
+    for _ in range(20):
         cost.observe_step(STEP_MS + call_ms, STEP_MS)
-    d = GoodputDraftLength(63, cost, evidence=evidence, decode_chunk=BLOCK)
+    cost.observe(1, STEP_MS, decode=True, context=0)
+    return cost
+
+
+def policy(mode: str, evidence, cost=None):
+    from orchestrator.policy.draft_length import GoodputDraftLength
+
+    d = GoodputDraftLength(63, cost or target_cost(mode), evidence=evidence, decode_chunk=BLOCK)
     d.use_free_drafter(True)
     d.streamed = mode != "unary"
     return d
@@ -94,11 +105,11 @@ def policy(mode: str, evidence):
 class Replay:
     """One reply replayed in one mode: ms spent after its first token (which the prefill made) and the steps."""
 
-    def __init__(self, mode: str, ids: list[int], reply: list[int], evidence):
+    def __init__(self, mode: str, ids: list[int], reply: list[int], evidence, cost=None):
         from draft_service.proposers.suffix import SuffixProposer
 
         self.mode, self.ids, self.reply = mode, ids, reply
-        self.d, self.proposer = policy(mode, evidence), SuffixProposer(vocab_size=1 << 20)
+        self.d, self.proposer = policy(mode, evidence, cost), SuffixProposer(vocab_size=1 << 20)
         self.t, self.held, self.ms = 1, 0, 0.0
         self.out = {"verifies": 0, "accepted": 0, "streamed": 0, "decode_calls": 0, "decoded": 0}
 
@@ -111,7 +122,6 @@ class Replay:
         task = ProposeTask("s", self.held, ctx[self.held:], max(1, min(63, room)), SamplingParams())
         prop = self.proposer.get_candidates(task)
         self.held = len(ctx)
-        self.d.cost.observe(1, token_ms(len(ctx)), decode=True, context=len(ctx))  # the stream's measured steps
         return prop.tokens[:room], (prop.scores or [])[:room]
 
     def matched(self, draft: list[int], n: int, at: int) -> int:
@@ -132,18 +142,26 @@ class Replay:
         self.out["accepted"] += k
         self.t += k + 1
 
-    def stream_tokens(self, m: int) -> None:
-        self.ms += m * token_ms(len(self.ids) + self.t) + STREAM_BLOCK_MS
-        self.out["streamed"] += m
+    def target_tokens(self, m: int) -> None:
+        """m target-only tokens, which measure a token's time at this context (TargetCall: blocks of 2 or more)."""
+        context = len(self.ids) + self.t
+        if m > 1:
+            self.d.cost.observe(1, token_ms(context), decode=True, context=context)
+        self.ms += m * token_ms(context)
         self.t += m
+
+    def stream_tokens(self, m: int) -> None:
+        self.ms += STREAM_BLOCK_MS
+        self.out["streamed"] += m
+        self.target_tokens(m)
 
     def result(self) -> dict:
         return {"ms": self.ms, **self.out}
 
 
-def run_closing(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
+def run_closing(mode: str, ids: list[int], reply: list[int], evidence, cost=None) -> dict:
     """hybrid, stream, unary: a draft that pays is verified by a Verify call, closing the stream if one is open."""
-    r = Replay(mode, ids, reply, evidence)
+    r = Replay(mode, ids, reply, evidence, cost)
     d, streaming, dry, blocks = r.d, None, 0, None
     ramp = int(mode[len("hybrid"):] or RAMP) if mode.startswith("hybrid") else 0
     while r.t < len(reply):
@@ -165,17 +183,17 @@ def run_closing(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
             r.stream_tokens(blocks.take(len(reply) - r.t))
         else:
             m = min(BLOCK, 1 << dry, len(reply) - r.t)
-            r.ms += m * token_ms(len(ids) + r.t) + DECODE_RPC_MS
-            r.t += m
+            r.ms += DECODE_RPC_MS
+            r.target_tokens(m)
             dry += 1
             r.out["decode_calls"] += 1
             r.out["decoded"] += m
     return r.result()
 
 
-def run_onstream(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
+def run_onstream(mode: str, ids: list[int], reply: list[int], evidence, cost=None) -> dict:
     """onstream, onstream-hold: drafts verified on the open stream, never closing it."""
-    r = Replay(mode, ids, reply, evidence)
+    r = Replay(mode, ids, reply, evidence, cost)
     d, hold = r.d, mode == "onstream-hold"
     r.ms += DECODE_RPC_MS  # the stream's opening call
     blocks, held = StreamBlocks(len(reply) - 1), False  # held: the target waits for this draft (no step in flight)
@@ -208,11 +226,12 @@ def run_onstream(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
     return r.result()
 
 
-def run(mode: str, ids: list[int], reply: list[int], evidence) -> dict:
-    """ms to generate reply[1:] after its first token (from the prefill), and the steps taken."""
+def run(mode: str, ids: list[int], reply: list[int], evidence, cost=None) -> dict:
+    """ms to generate reply[1:] after its first token (from the prefill), and the steps taken; evidence and cost:
+    the orchestrator's (DraftEvidence, target_cost(mode)), learned over its sessions (cost None: a fresh one)."""
     if mode.startswith("onstream"):
-        return run_onstream(mode, ids, reply, evidence)
-    return run_closing(mode, ids, reply, evidence)
+        return run_onstream(mode, ids, reply, evidence, cost)
+    return run_closing(mode, ids, reply, evidence, cost)
 
 
 def target_only_ms(ids: list[int], reply: list[int], block: int = MAX_BLOCK) -> float:
@@ -263,12 +282,13 @@ def replay_all(work, modes: list[str], passes: int) -> dict:
 
     totals: dict = {}
     for mode in modes:
-        evidence = DraftEvidence()  # orchestrator-wide: learned over the prompts in turn, as a server would
+        # orchestrator-wide: learned over the prompts in turn, as a server would
+        evidence, cost = DraftEvidence(), target_cost(mode)
         for _ in range(passes - 1):
             for kind, ids, reply in work:
-                run(mode, ids, reply, evidence)
+                run(mode, ids, reply, evidence, cost)
         for kind, ids, reply in work:
-            result = {**run(mode, ids, reply, evidence), "target_only_ms": target_only_ms(ids, reply)}
+            result = {**run(mode, ids, reply, evidence, cost), "target_only_ms": target_only_ms(ids, reply)}
             for row in (totals.setdefault(kind, {}).setdefault(mode, {}), totals.setdefault("all", {}).setdefault(
                     mode, {})):
                 for key, value in result.items():
