@@ -103,6 +103,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @handle_errors
     def Release(self, request, context):
         sid = require_session_id(request.session_id)
+        if request.final_delta.tokens:
+            final = wire.check_token_ids(request.final_delta.tokens, self.proposer.vocab_size, "final_delta")
+            self.proposer.take_final(sid, request.final_delta.prefix_len, final)
         return common_pb2.ReleaseResponse(released=self.proposer.release(sid))
 
     @handle_errors

@@ -106,3 +106,27 @@ def test_dry_n_gram_steps_decode_more_tokens_per_call(redis_url, monkeypatch):
         assert max(asked) > 1 and len(asked) < 40 - got.stats["draft_tokens_accepted"]
     finally:
         s.stop()
+
+
+def test_the_reply_s_last_block_reaches_the_suffix_drafter_at_release(redis_url):
+    """Drafting happens before a step, so the step that ends a reply is never shown to the drafter; the release hands
+    it over (ReleaseRequest.final_delta), and the principal's tree holds the whole reply."""
+    import time
+
+    s = start_stack(redis_url, draft="local:suffix")
+    try:
+        proposer = s.servicer.pool.replicas[0].client.servicer.proposer
+        finals = []
+        take_final = proposer.take_final
+        proposer.take_final = lambda sid, pos, delta: (finals.append((pos, list(delta))), take_final(sid, pos, delta))
+        got = s.client.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+        deadline = time.monotonic() + 10
+        while proposer.num_sessions() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the release runs after the stream's last message
+        assert proposer.num_sessions() == 0 and len(finals) == 1
+        committed = PROMPT + got.token_ids
+        pos, delta = finals[0]
+        assert delta and pos + len(delta) == len(committed) and delta == committed[pos:]
+        assert pos < len(committed)  # the drafter had not been shown the end
+    finally:
+        s.stop()

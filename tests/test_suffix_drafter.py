@@ -43,6 +43,23 @@ def test_one_principals_outputs_draft_for_its_later_sessions_and_never_for_anoth
     assert draft(p, "n1", 0, prompt, principal="").tokens == []  # no auth: its own principal, ''
 
 
+def test_a_released_sessions_last_block_drafts_for_the_principals_next_session():
+    p = SuffixProposer(vocab_size=100)
+    reply = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    draft(p, "a1", 0, [1, 2, 3], principal="alice")
+    draft(p, "a1", 3, reply[:4], principal="alice")  # the drafter was shown the reply's first block only
+    p.take_final("a1", 7, reply[4:])  # the last block, handed over with the release
+    p.take_final("a1", 99, [1])  # past what it holds: nothing to add, no error
+    p.take_final("gone", 0, [1, 2])  # a session it does not hold: nothing
+    assert p.release("a1") and not p.release("gone")
+    assert draft(p, "a2", 0, [9, 8, 50, 51, 52, 53, 54], principal="alice").tokens == reply[5:10]
+    without = SuffixProposer(vocab_size=100)  # the same without the last block: its draft stops where it did
+    draft(without, "a1", 0, [1, 2, 3], principal="alice")
+    draft(without, "a1", 3, reply[:4], principal="alice")
+    without.release("a1")
+    assert draft(without, "a2", 0, [9, 8, 50, 51, 52, 53], principal="alice").tokens == []
+
+
 def test_resyncs_crops_and_misses():
     p = SuffixProposer(vocab_size=100)
     draft(p, "s", 0, [1, 2, 3, 4, 5, 1, 2])

@@ -54,6 +54,10 @@ class Proposer(abc.ABC):
     def release(self, session_id: str) -> bool:
         """Free the session's state."""
 
+    def take_final(self, session_id: str, prefix_len: int, delta: list[int]) -> None:
+        """A finished session's last tokens (after the prefix_len it was shown), just before its release: a drafter
+        that learns across sessions takes them in; the others have no use for them."""
+
     def num_sessions(self) -> int:
         return 0
 

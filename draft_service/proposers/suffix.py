@@ -136,6 +136,16 @@ class SuffixProposer(Proposer):
         tokens = [int(t) for t in draft.token_ids]
         return Proposal(tokens, None, cached, token_scores(draft.probs, draft.match_len))
 
+    def take_final(self, session_id: str, prefix_len: int, delta: list[int]) -> None:
+        """The reply's last block, never drafted from, into the session's tree (the principal's tree then holds the
+        whole reply once the session is released); a session this drafter no longer holds has nothing to add to."""
+        with self._lock:
+            if session_id in self._sessions and delta:
+                try:
+                    self._sync(session_id, prefix_len, list(delta), "")
+                except (CacheMiss, ValueError):
+                    pass  # evicted tokens or a context over the bound: the tree keeps what it has
+
     def release(self, session_id: str) -> bool:
         with self._lock:
             found = session_id in self._sessions

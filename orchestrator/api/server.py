@@ -32,6 +32,7 @@ from specdec.core.grpc_util import (RpcAbort, ServiceServer, StartupError, add_t
                                     handle_errors, tls_from_args)
 from specdec.core.security import is_loopback, principal_of
 from specdec.ops import cpu_affinity
+from specdec.v1 import common_pb2
 from specdec.v1 import orchestrator_pb2 as opb
 from specdec.v1 import orchestrator_pb2_grpc
 
@@ -46,6 +47,19 @@ class IncompatibleModels(Exception):
 # GetSession and CancelSession always find one free however many sessions stream.
 CONTROL_WORKERS = 16
 SESSION_METADATA = "x-specdec-session-id"  # a queued Generate's response header: its session id before it starts
+
+
+MAX_FINAL_DELTA = 4096  # tokens a release hands the drafter at most (a reply's last block is a few dozen)
+
+
+def final_draft_delta(rec: SessionRecord) -> common_pb2.TokenDelta | None:
+    """The session's committed tokens its drafter was never shown (the reply's last block: drafting happens before
+    a step, so the step that finishes a reply is never followed by one), for the release to hand over."""
+    committed = rec.committed
+    pos = min(rec.draft_pos, len(committed))
+    if pos == len(committed) or len(committed) - pos > MAX_FINAL_DELTA:
+        return None
+    return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:])
 
 
 def check_compatible(target_info, draft_info) -> None:
@@ -313,7 +327,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         log.warning("could not record cancellation", extra={"session_id": sid})
                 self._release_lease(sid, lease)
                 if rec.status != "running" or lost:
-                    self._release_caches(sid)
+                    self._release_caches(sid, None if lost else final_draft_delta(rec))
 
     def _admit(self, ticket, context) -> float:
         """Wait for the generation's turn (orchestrator/policy/admission.py), at most until the call's deadline; the seconds
@@ -330,13 +344,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except QueueCancelled as e:
             raise RpcAbort(grpc.StatusCode.CANCELLED, str(e)) from None
 
-    def _release_caches(self, sid: str) -> None:
+    def _release_caches(self, sid: str, final_delta: common_pb2.TokenDelta | None = None) -> None:
         # Off the request's path: the stream ends without waiting for the services to free their caches.
         if self._closed.is_set():
             return  # shutting down: the channels are closing, and the caches go with the services
         self.targets.release(sid)
         if self.pool is not None:
-            self.pool.release(sid)
+            self.pool.release(sid, final_delta)
 
     @handle_errors
     @store_errors

@@ -25,10 +25,12 @@ def _delta(committed: list[int], pos: int, prompt_len: int = 0) -> common_pb2.To
     return common_pb2.TokenDelta(prefix_len=pos, tokens=committed[pos:], prompt_len=prompt_len)
 
 
-def _release_async(stub, address: str, session_id: str, timeout: float):
+def _release_async(stub, address: str, session_id: str, timeout: float,
+                   final_delta: common_pb2.TokenDelta | None = None):
     """Free a session's cache without waiting: a lost release only costs cache space until LRU eviction."""
     try:
-        future = stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout)
+        future = stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id, final_delta=final_delta),
+                                     timeout=timeout)
     except ValueError as e:  # the channel was closed (shutting down): nothing left to free
         log.info("release skipped", extra={"replica": address, "session_id": session_id, "error": str(e)})
         return None
@@ -210,8 +212,10 @@ class DraftClient:
     def release(self, session_id: str, timeout: float = 1.0) -> bool:
         return self.stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
 
-    def release_async(self, session_id: str, timeout: float = 1.0):
-        return _release_async(self.stub, self.address, session_id, timeout)
+    def release_async(self, session_id: str, timeout: float = 1.0, final_delta: common_pb2.TokenDelta | None = None):
+        """final_delta: the session's tokens after those the drafter was shown (a reply's last block), taken in
+        before its state is freed."""
+        return _release_async(self.stub, self.address, session_id, timeout, final_delta)
 
     def close(self) -> None:
         self.channel.close()

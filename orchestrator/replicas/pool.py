@@ -297,10 +297,12 @@ class ReplicaPool:
     def by_address(self, address: str) -> Replica | None:
         return next((r for r in self.replicas if r.address == address), None)
 
-    def release(self, session_id: str) -> None:
-        """Fire-and-forget on every replica (a session may have moved); nobody waits on a dead one."""
+    def release(self, session_id: str, final_delta=None) -> None:
+        """Fire-and-forget on every replica (a session may have moved); nobody waits on a dead one. final_delta
+        (a TokenDelta): the tokens committed after those the drafter was shown, which it takes in first."""
+        extra = {} if final_delta is None else {"final_delta": final_delta}  # draft replicas only
         for r in self.replicas:
-            r.client.release_async(session_id, timeout=0.5)
+            r.client.release_async(session_id, timeout=0.5, **extra)
 
     def close(self) -> None:
         self._stop.set()

@@ -101,10 +101,12 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "final_delta")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_DELTA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    final_delta: TokenDelta
+    def __init__(self, session_id: _Optional[str] = ..., final_delta: _Optional[_Union[TokenDelta, _Mapping]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
