@@ -63,22 +63,23 @@ def test_the_default_cache_keeps_every_session_asked_for(caplog):
 
 def test_a_tight_budget_shortens_contexts_before_it_drops_sessions_and_warns(caplog):
     caplog.set_level(logging.WARNING, "specdec.target.llamacpp")
-    # 307 MiB = 18176 cells (whole 256-cell units): 13 streams of 2048 do not fit, 13 of 1280 do: every session kept, each shorter
-    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "307")
+    # 352 MiB, 45 of them the prompt context's stream (2048 float16 cells), 307 = 18176 cells (whole 256-cell units):
+    # 13 streams of 2048 do not fit, 13 of 1280 do: every session kept, each shorter
+    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "352")
     try:
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (12, 1280, 13 * 1280)
         [warning] = warnings_of(caplog)
         assert "12 sessions of 2048 tokens asked" in warning and "hold 12 sessions of 1280 tokens" in warning
-        assert "--max-cache-mb 307 holds 18176 cells of 17.2 KiB" in warning
+        assert "--max-cache-mb 352 (45 MiB of it the prompt context's) holds 18176 cells of 17.2 KiB" in warning
     finally:
         engine.close()
     caplog.clear()
-    # 151 MiB = 8960 cells: not even 13 streams of 1024 (the floor): 8 streams of 1024, 7 sessions
-    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "151")
+    # 196 MiB, 151 of them 8960 cells: not even 13 streams of 1024 (the floor): 8 streams of 1024, 7 sessions
+    engine = target_engine("--max-sessions", "12", "--max-cache-mb", "196")
     try:
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (7, 1024, 8 * 1024)
         [warning] = warnings_of(caplog)
-        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 151" in warning
+        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 196" in warning
     finally:
         engine.close()
 

@@ -230,7 +230,7 @@ class LlamaCppEngine(StepLoop):
         # the prompt context's one stream of a session's context (float16 keys and values) comes out of the budget
         prompt_mib = 0 if kv_unified else -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
         plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
-                          budget_mib=max(1, settings.max_cache_mb - prompt_mib), context_cells=settings.llama_context,
+                          budget_mib=settings.max_cache_mb, fixed_mib=prompt_mib, context_cells=settings.llama_context,
                           reserved_sequences=self._reserved,
                           max_sequences=int(self._ll.llama_max_parallel_sequences()), unified=kv_unified)
         if plan.shortfall:
