@@ -70,7 +70,8 @@ def test_a_tight_budget_shortens_contexts_before_it_drops_sessions_and_warns(cap
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (12, 1280, 13 * 1280)
         [warning] = warnings_of(caplog)
         assert "12 sessions of 2048 tokens asked" in warning and "hold 12 sessions of 1280 tokens" in warning
-        assert "--max-cache-mb 352 (45 MiB of it the prompt context's) holds 18176 cells of 17.2 KiB" in warning
+        assert "--max-cache-mb 307 holds 18176 cells of 17.2 KiB" in warning
+        assert "45 MiB of --max-cache-mb 352 hold the prompt context" in warning
     finally:
         engine.close()
     caplog.clear()
@@ -79,7 +80,7 @@ def test_a_tight_budget_shortens_contexts_before_it_drops_sessions_and_warns(cap
     try:
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (7, 1024, 8 * 1024)
         [warning] = warnings_of(caplog)
-        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 196" in warning
+        assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 151 holds" in warning
     finally:
         engine.close()
 

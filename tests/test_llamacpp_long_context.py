@@ -130,7 +130,7 @@ def feed_prompt(engine, sid: str, tokens: list[int], piece: int) -> None:
                 engine._decode_prompt(tokens[at:at + n], at)
                 engine._prompt_tokens += tokens[at:at + n]
                 at += n
-            engine._move_prompt(seq)
+            engine._move_prompt(seq.seq_id)
             seq.tokens.extend(tokens)
             engine._prompt_reset()
 

@@ -32,13 +32,12 @@ def _round_up(n: int, unit: int) -> int:
 
 
 def plan_cache(sessions: int, session_context: int, *, cell_bytes: int, budget_mib: int, context_cells: int = 0,
-               max_sequences: int = 256, reserved_sequences: int = 1, unified: bool = False,
-               fixed_mib: int = 0) -> CachePlan:
+               max_sequences: int = 256, reserved_sequences: int = 1, unified: bool = False) -> CachePlan:
     """The cache for `sessions` sessions of `session_context` tokens. `cell_bytes`: one token's KV (all layers);
     `budget_mib`: the most the cache may take; `context_cells` > 0: an explicit cell limit as well (--llama-context);
     `max_sequences`: llama_max_parallel_sequences(), of which `reserved_sequences` are not sessions' (the profile's,
     a tree's scratch ones). `unified`: one pool of cells shared by the sessions (LRU eviction when it is full)
-    instead of a stream each. `fixed_mib`: the part of the budget taken before the streams (the prompt context's)."""
+    instead of a stream each."""
     if sessions < 1 or session_context < 1 or budget_mib < 1 or cell_bytes < 1:
         raise ValueError(f"the llama.cpp cache needs sessions, a session context, a budget and a cell size of at "
                          f"least 1, got {sessions}, {session_context}, {budget_mib} MiB, {cell_bytes} bytes")
@@ -47,9 +46,8 @@ def plan_cache(sessions: int, session_context: int, *, cell_bytes: int, budget_m
     n = min(sessions, max_sequences - reserved_sequences)
     if n < sessions:
         reasons.append(f"llama.cpp allows {max_sequences} sequences, {reserved_sequences} of them not sessions'")
-    cap = max(0, budget_mib - fixed_mib) * 1024 * 1024 // cell_bytes // CELL_UNIT * CELL_UNIT
-    fixed = f" ({fixed_mib} MiB of it the prompt context's)" if fixed_mib else ""
-    bound = f"--max-cache-mb {budget_mib}{fixed} holds {cap} cells of {cell_bytes / 1024:.1f} KiB"
+    cap = budget_mib * 1024 * 1024 // cell_bytes // CELL_UNIT * CELL_UNIT
+    bound = f"--max-cache-mb {budget_mib} holds {cap} cells of {cell_bytes / 1024:.1f} KiB"
     if 0 < context_cells < cap:
         cap, bound = _round_up(context_cells, CELL_UNIT), f"--llama-context {context_cells} cells"
     if cap < 2 * CELL_UNIT:

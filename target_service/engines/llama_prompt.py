@@ -17,9 +17,14 @@ to another target (the orchestrator sends the prompt length with every delta) is
 from __future__ import annotations
 
 import ctypes
+import logging
 import struct
 
 import numpy as np
+
+from specdec.core.kv_cache import ContextTooLong
+
+log = logging.getLogger("specdec.target.llamacpp")
 
 # llama.cpp's CPU flash attention (llama-cpp-python 0.3.36) computes a call's rows in tiles when a sequence has at
 # least this many rows in it (GGML_FA_TILE_Q) and keys and values are of one float type.
@@ -165,3 +170,95 @@ def move_sequence(ll, src_ctx, dst_ctx, dst_seq: int, streams: int, n_layer: int
     if ll.llama_state_seq_set_data(dst_ctx, src, len(state), dst_seq) != len(state):
         raise RuntimeError(f"llama.cpp could not take the prompt's {cells} cells into sequence {dst_seq}")
     return cells
+
+
+class PromptPath:
+    """The prompt context's part of target_service.engines.llamacpp.LlamaCppEngine (which provides the contexts, the
+    batch, _decode, _crop and the cache plan). Call with the engine's lock held, on its compute thread."""
+
+    def _new_prompt_context(self, threads: int, session_context: int):
+        """The prompt context (llama_prompt.py): one sequence of a session's context, float16 keys and values."""
+        cparams = self._ll.llama_context_default_params()
+        cparams.n_seq_max = 1
+        cparams.n_ctx = session_context
+        cparams.n_batch = cparams.n_ubatch = self.batch_tokens
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False
+        cparams.flash_attn_type = self._ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = cparams.type_v = self._ll.GGML_TYPE_F16
+        cparams.no_perf = True
+        ctx = self._ll.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise MemoryError(f"llama.cpp could not create the prompt context of {session_context} tokens")
+        return ctx
+
+    def _prompt_rows(self, seq, new: list[int], prompt_len: int, wants_logits: bool):
+        """(the rows to feed, how many of the first go through the prompt context). A cache holding part of the
+        prompt region only (an earlier call brought part of the prompt) is cropped and the region fed whole."""
+        if self._prompt_ctx is None or prompt_len <= 0:
+            return new, 0
+        cached = len(seq.tokens)
+        if cached + len(new) > self.loaded.max_context:
+            raise ContextTooLong(f"context of {cached + len(new)} tokens exceeds the limit of "
+                                 f"{self.loaded.max_context}")
+        end = prompt_region(prompt_len, cached, cached + len(new), wants_logits)
+        if not end:
+            return new, 0
+        if cached:
+            new = seq.tokens + new
+            self._crop(seq, 0)
+        return new, end
+
+    def _decode_prompt(self, tokens: list[int], start: int) -> None:
+        """llama_decode `tokens` at positions start.. of the prompt context's sequence, no logits."""
+        batch = self._batch
+        for j, token in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, False
+            batch.seq_id[j][0] = 0
+        batch.n_tokens = len(tokens)
+        rc = self._ll.llama_decode(self._prompt_ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode of a prompt piece failed (code {rc})")
+
+    def _move_prompt(self, seq_id: int) -> None:
+        """The prompt context's sequence into the main context's seq_id (its values rotated and rounded to q8_0)."""
+        moved = move_sequence(self._ll, self._prompt_ctx, self._ctx, seq_id,
+                              self.cache_plan.sessions + self._reserved, self._n_layer)
+        if moved != len(self._prompt_tokens):
+            raise RuntimeError(f"moved {moved} prompt cells, expected {len(self._prompt_tokens)}")
+
+    def _prompt_reset(self) -> None:
+        """Empty the prompt context; no work holds it."""
+        if self._prompt_ctx and (self._prompt_tokens or self._prompt_owner is not None):
+            self._prompt_reset_memory()
+        self._prompt_owner, self._prompt_tokens = None, []
+
+    def _prompt_reset_memory(self) -> None:
+        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
+
+    def _check_prompt_context(self) -> None:
+        """A token's first-layer values (a function of its embedding alone) moved from the prompt context against
+        the main context's own: a llama.cpp whose state layout or value rotation is not the one llama_prompt.py
+        writes fails this, and prompts then take the main context, with a warning. Runs before any session."""
+        token, values = 1, self.prompt_kv_bytes_per_token // PROMPT_KV_BYTES_PER_VALUE // self._n_layer
+        try:
+            self._decode_prompt([token], 0)
+            self._prompt_tokens = [token]
+            self._move_prompt(0)
+            self._decode([((1,), token, 0, False)], [(1, 0)])
+            moved, own = (first_layer_values(sequence_state(self._ll, self._ctx, s), self._n_layer, values)
+                          for s in (0, 1))
+            gap = float(np.abs(moved - own).max() / max(np.abs(own).max(), 1e-6))
+            if gap > 0.05:
+                raise ValueError(f"the values differ by {gap:.3g} of their largest")
+        except (ValueError, RuntimeError, StopIteration, struct.error) as e:
+            log.warning("llama.cpp prompt context off (prompts take the main context): moving a prompt's cache "
+                        "into the main context failed its check (%s)", e)
+            self._ll.llama_free(self._prompt_ctx)
+            self._prompt_ctx = None
+        finally:
+            for seq_id in (0, 1):
+                self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            self._prompt_owner, self._prompt_tokens = None, []
+            if self._prompt_ctx:
+                self._prompt_reset_memory()

@@ -6,7 +6,8 @@ slots): every session with work in flight contributes its next rows to ONE llama
 * a verify block (`VerifyWork`) contributes its context delta and its k drafts: k + 1 rows of the budget;
 * a prefill (`PrefillWork`), or the long delta of a new or resynced session's first call, is fed in pieces of at
   most SPLIT_SAFE_ROWS rows when it runs alone, of PREFILL_ROWS_PER_STEP while other sessions are decoding, so a
-  prompt does not stall the running streams.
+  prompt does not stall the running streams; the prompt's own rows (the work's prompt_rows) go to the prompt
+  context in a llama_decode of their own, one session's prompt at a time (llama_prompt.py).
 
 A session's rows in one step never exceed SPLIT_SAFE_ROWS (llama.cpp's per-sequence numerics are then those of
 feeding them one by one), so a session's tokens, KV and logits are the same whichever sessions share its steps."""
@@ -26,6 +27,31 @@ from target_service.engines.llama_prompt import prompt_piece
 SPLIT_SAFE_ROWS = 512  # see llamacpp.py: a session's rows per llama_decode up to this many are split-invariant
 
 log = logging.getLogger("specdec.target.llamacpp")
+
+
+def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
+    numerics depended with a float16 cache on how a long run of a sequence's tokens is split into ubatches (166 fed
+    at once, up to 2.8 away from one by one); a session's blocks of up to SPLIT_SAFE_ROWS rows are bitwise the same
+    fed whole or one by one (with the q8_0 values, any split up to the batch size). So groups that
+    short are packed up to `cap` rows, and a longer group (a prompt, a resync's whole context) gets calls of its
+    own of SPLIT_SAFE_ROWS rows: a session's cache is then a function of its tokens alone, whichever calls
+    brought them (a context resent after an eviction or a move to another target is rebuilt bit for bit)."""
+    bounds: list[tuple[int, int]] = []
+    piece = min(cap, SPLIT_SAFE_ROWS)
+    lo = pos = 0
+    for n in group_sizes:
+        alone = n > piece
+        if pos > lo and (alone or pos - lo + n > cap):
+            bounds.append((lo, pos))
+            lo = pos
+        if alone:
+            bounds += [(pos + a, pos + min(n, a + piece)) for a in range(0, n, piece)]
+            lo = pos + n
+        pos += n
+    if pos > lo:
+        bounds.append((lo, pos))
+    return bounds
 
 
 class Work:
@@ -414,7 +440,7 @@ class StepLoop:
             work.prompt_rows -= n
             if work.prompt_rows:
                 return
-            self._move_prompt(work.seq)
+            self._move_prompt(work.seq.seq_id)
             work.seq.tokens.extend(self._prompt_tokens)
         except Exception as e:  # noqa: BLE001 - the forward failed: this work fails
             work.fail(e)

@@ -10,13 +10,14 @@ Continuous batching: one engine thread runs a step loop (llama_steps.py). Every 
 its next rows to the step's single llama_decode: a decode stream its last sampled token, a Verify its context delta
 and draft block (the verdict is specdec.core.sampling's, the rejected positions leave the sequence with
 llama_memory_seq_rm), a prefill a bounded piece of its prompt. New work joins at the next step; nothing waits for a
-batching window. Target-only decoding is the same row a Verify of an empty block has, so it gives the same tokens."""
+batching window. Target-only decoding is the same row a Verify of an empty block has, so it gives the same tokens.
+A session's prompt (its length comes with the delta) is computed in a second, float16 *prompt context* in llama.cpp's
+fast tiled kernel and moved into the session's sequence (llama_prompt.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import struct
 import logging
 import pathlib
 import threading
@@ -33,12 +34,11 @@ from specdec.core.kv_cache import CacheMiss, ContextTooLong
 from specdec.core.settings import LONG_DRAFT_LEN
 from specdec.models import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from target_service.engines.llama_cache import plan_cache
-from target_service.engines.llama_prompt import (PROMPT_KV_BYTES_PER_VALUE, first_layer_values, move_sequence,
-                                                 prompt_region, sequence_state)
+from target_service.engines.llama_prompt import PROMPT_KV_BYTES_PER_VALUE, PromptPath
 from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
-                                                VerifyWork, Work)
+                                                VerifyWork, Work, _chunk_bounds)
 from target_service.engines.profile import cpu_engine_profile
 from target_service.settings import TargetSettings
 
@@ -80,45 +80,14 @@ class LlamaModelInfo:
     kv_fingerprint: str = ""  # llama.cpp's KV layout is its own: no export to a PyTorch draft
 
 
-# The KV cache holds float16 keys and q8_0 values (34 bytes per 32), so that a row's logits do not depend on the
-# shape of the ubatch it is computed in. llama.cpp's CPU flash attention (0.3.36) takes a row one of three ways: one
-# query row of one sequence over 512 or more cells (a target-only step alone) splits the keys into one chunk per
-# thread, each with a float16 accumulator, merged at the end; 64 or more rows of a sequence are computed in tiles;
-# any other shape (a verify block, a single row beside other sessions' rows) runs each row over all keys in one pass.
-# With float16 keys and values a target-only step and the same row in a verify block differed by up to 1.06 in the
-# logits at a 1416-token context (2 threads) and greedy output flipped at a top-2 margin of 0.014. The first two
-# ways need keys and values of one float type (float32 ones are cast to float16 first), so quantized values take
-# every shape through the one-pass kernel, accumulating in float32 (tests/test_llamacpp_long_context.py).
+# The main context's KV cache holds float16 keys and q8_0 values (34 bytes per 32, stored Hadamard-rotated by
+# llama.cpp), so that a row's logits do not depend on the shape of its ubatch: with keys and values of different
+# types llama.cpp's CPU flash attention runs every shape in its one-pass kernel, accumulating in float32 (float16 ones
+# split a lone row's keys by thread and tile 64+ rows: up to 1.06 apart in the logits at a 1416-token context; see
+# docs/engines.md, "Kernel shape", and tests/test_llamacpp_long_context.py). A prompt takes the fast tiled kernel in
+# the float16 prompt context instead, whose cache then moves here (llama_prompt.py). SPLIT_SAFE_ROWS (llama_steps.py):
+# a session's rows per llama_decode; with q8_0 values calls of 48 to 512 rows measured bitwise equal to one by one.
 KV_BYTES_PER_VALUE = 2 + 34 / 32  # a float16 key and a q8_0 value per layer, kv head and head dimension
-
-# SPLIT_SAFE_ROWS (llama_steps.py): a session's rows in one llama_decode up to this many give bitwise the logits and
-# KV of feeding them one by one. With a float16 cache 63 did and 64 did not (flash attention's tiled kernel); with
-# q8_0 values every shape takes the one-pass kernel, and calls of 48 to 512 rows measured bitwise equal (docs/engines.md)
-
-
-def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
-    """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
-    numerics depended with a float16 cache on how a long run of a sequence's tokens is split into ubatches (166 fed
-    at once, up to 2.8 away from one by one); a session's blocks of up to SPLIT_SAFE_ROWS rows are bitwise the same
-    fed whole or one by one (with the q8_0 values, any split up to the batch size). So groups that
-    short are packed up to `cap` rows, and a longer group (a prompt, a resync's whole context) gets calls of its
-    own of SPLIT_SAFE_ROWS rows: a session's cache is then a function of its tokens alone, whichever calls
-    brought them (a context resent after an eviction or a move to another target is rebuilt bit for bit)."""
-    bounds: list[tuple[int, int]] = []
-    piece = min(cap, SPLIT_SAFE_ROWS)
-    lo = pos = 0
-    for n in group_sizes:
-        alone = n > piece
-        if pos > lo and (alone or pos - lo + n > cap):
-            bounds.append((lo, pos))
-            lo = pos
-        if alone:
-            bounds += [(pos + a, pos + min(n, a + piece)) for a in range(0, n, piece)]
-            lo = pos + n
-        pos += n
-    if pos > lo:
-        bounds.append((lo, pos))
-    return bounds
 
 
 @dataclass
@@ -128,7 +97,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
-class LlamaCppEngine(StepLoop):
+class LlamaCppEngine(StepLoop, PromptPath):
     """The target_service.engines.base.TargetBackend interface on llama.cpp."""
 
     BATCH_TOKENS = 512  # rows of one llama_decode call (n_batch = n_ubatch)
@@ -230,11 +199,13 @@ class LlamaCppEngine(StepLoop):
         # the prompt context's one stream of a session's context (float16 keys and values) comes out of the budget
         prompt_mib = 0 if kv_unified else -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
         plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
-                          budget_mib=settings.max_cache_mb, fixed_mib=prompt_mib, context_cells=settings.llama_context,
+                          budget_mib=max(1, settings.max_cache_mb - prompt_mib), context_cells=settings.llama_context,
                           reserved_sequences=self._reserved,
                           max_sequences=int(self._ll.llama_max_parallel_sequences()), unified=kv_unified)
         if plan.shortfall:
-            log.warning(plan.describe(settings.max_sessions, asked_context))
+            prompt_note = (f" ({prompt_mib} MiB of --max-cache-mb {settings.max_cache_mb} hold the prompt context, the "
+                           "rest the sessions' streams)") if prompt_mib else ""
+            log.warning(plan.describe(settings.max_sessions, asked_context) + prompt_note)
         self.cache_plan = plan
         self.max_sessions = plan.sessions
         if kv_unified:
@@ -266,22 +237,6 @@ class LlamaCppEngine(StepLoop):
         if not ctx:
             raise MemoryError(f"llama.cpp could not create a context of {self.context_tokens} tokens "
                               f"({self.context_tokens * self.kv_bytes_per_token >> 20} MiB of KV cache)")
-        return ctx
-
-    def _new_prompt_context(self, threads: int, session_context: int):
-        """The prompt context (llama_prompt.py): one sequence of a session's context, float16 keys and values."""
-        cparams = self._ll.llama_context_default_params()
-        cparams.n_seq_max = 1
-        cparams.n_ctx = session_context
-        cparams.n_batch = cparams.n_ubatch = self.batch_tokens
-        cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = False
-        cparams.flash_attn_type = self._ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        cparams.type_k = cparams.type_v = self._ll.GGML_TYPE_F16
-        cparams.no_perf = True
-        ctx = self._ll.llama_init_from_model(self._model, cparams)
-        if not ctx:
-            raise MemoryError(f"llama.cpp could not create the prompt context of {session_context} tokens")
         return ctx
 
     def _describe(self, path: pathlib.Path, name: str, session_context: int) -> LlamaModelInfo:
@@ -390,79 +345,6 @@ class LlamaCppEngine(StepLoop):
             delta = [seq.tokens[-1]]  # its logits are not kept: feed it again
             self._crop(seq, len(seq.tokens) - 1)
         return list(delta)
-
-    # ----- the prompt context (llama_prompt.py; call with self._lock held, on the compute thread) -----
-
-    def _prompt_rows(self, seq: _Sequence, new: list[int], prompt_len: int, wants_logits: bool):
-        """(the rows to feed, how many of the first go through the prompt context). A cache holding part of the
-        prompt region only (an earlier call brought part of the prompt) is cropped and the region fed whole."""
-        if self._prompt_ctx is None or prompt_len <= 0:
-            return new, 0
-        cached = len(seq.tokens)
-        if cached + len(new) > self.loaded.max_context:
-            raise ContextTooLong(f"context of {cached + len(new)} tokens exceeds the limit of "
-                                 f"{self.loaded.max_context}")
-        end = prompt_region(prompt_len, cached, cached + len(new), wants_logits)
-        if not end:
-            return new, 0
-        if cached:
-            new = seq.tokens + new
-            self._crop(seq, 0)
-        return new, end
-
-    def _decode_prompt(self, tokens: list[int], start: int) -> None:
-        """llama_decode `tokens` at positions start.. of the prompt context's sequence, no logits."""
-        batch = self._batch
-        for j, token in enumerate(tokens):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, False
-            batch.seq_id[j][0] = 0
-        batch.n_tokens = len(tokens)
-        rc = self._ll.llama_decode(self._prompt_ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode of a prompt piece failed (code {rc})")
-
-    def _move_prompt(self, seq: _Sequence) -> None:
-        """The prompt context's sequence into the session's (its values rounded to q8_0)."""
-        moved = move_sequence(self._ll, self._prompt_ctx, self._ctx, seq.seq_id,
-                              self.cache_plan.sessions + self._reserved, self._n_layer)
-        if moved != len(self._prompt_tokens):
-            raise RuntimeError(f"moved {moved} prompt cells, expected {len(self._prompt_tokens)}")
-
-    def _prompt_reset(self) -> None:
-        """Empty the prompt context; no work holds it."""
-        if self._prompt_ctx and (self._prompt_tokens or self._prompt_owner is not None):
-            self._prompt_reset_memory()
-        self._prompt_owner, self._prompt_tokens = None, []
-
-    def _prompt_reset_memory(self) -> None:
-        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
-
-    def _check_prompt_context(self) -> None:
-        """A token's first-layer values (a function of its embedding alone) moved from the prompt context against
-        the main context's own: a llama.cpp whose state layout or value rotation is not the one llama_prompt.py
-        writes fails this, and prompts then take the main context, with a warning. Runs before any session."""
-        token, values = 1, self.prompt_kv_bytes_per_token // PROMPT_KV_BYTES_PER_VALUE // self._n_layer
-        try:
-            self._decode_prompt([token], 0)
-            self._prompt_tokens = [token]
-            self._move_prompt(_Sequence("\x00check", 0))
-            self._decode([((1,), token, 0, False)], [(1, 0)])
-            moved, own = (first_layer_values(sequence_state(self._ll, self._ctx, s), self._n_layer, values)
-                          for s in (0, 1))
-            gap = float(np.abs(moved - own).max() / max(np.abs(own).max(), 1e-6))
-            if gap > 0.05:
-                raise ValueError(f"the values differ by {gap:.3g} of their largest")
-        except (ValueError, RuntimeError, StopIteration, struct.error) as e:
-            log.warning("llama.cpp prompt context off (prompts take the main context): moving a prompt's cache "
-                        "into the main context failed its check (%s)", e)
-            self._ll.llama_free(self._prompt_ctx)
-            self._prompt_ctx = None
-        finally:
-            for seq_id in (0, 1):
-                self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._prompt_owner, self._prompt_tokens = None, []
-            if self._prompt_ctx:
-                self._prompt_reset_memory()
 
     def _forward(self, rows: list[tuple[_Sequence, list[int], int]]) -> list[np.ndarray]:
         """Append each row's tokens to its sequence in as few llama_decode calls as the batch size allows;
