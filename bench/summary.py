@@ -332,11 +332,20 @@ def _system_overhead(res: dict) -> str:
             f" + Redis {_fmt(ov.get('redis_commit_ms'))}) vs a target step of {_fmt(mb.get('target_step_ms'), 1)} ms")
 
 
+def _prediction(head: dict, res: dict) -> tuple[float | None, float | None, str]:
+    """The headline's predicted speedups (the paper's model; the same with the verify cost measured on this CPU) and
+    the system overhead as a phrase: what the speedup explanations weigh the measured speedup against."""
+    return head.get("predicted_speedup"), head.get("predicted_speedup_measured_verify_cost"), _system_overhead(res)
+
+
+def _verify_block(head: dict) -> str:
+    """The headline's mean verify block in tokens (mean draft length + 1), formatted."""
+    return _fmt((head.get("mean_draft_len") or 0) + 1, 1)
+
+
 def _why_speedup(value: float, thr: float, head: dict, cfgs: dict, res: dict) -> str:
     """The headline's speedup against the paper's prediction."""
-    hp = head.get("predicted_speedup")
-    hpv = head.get("predicted_speedup_measured_verify_cost")
-    sysov = _system_overhead(res)
+    hp, hpv, sysov = _prediction(head, res)
     verb = "met" if value >= thr else "not met"
     parts = [f"{verb}: {head.get('name')} runs {_fmt(head.get('tokens_per_s'))} tok/s = {_fmt(value)}x target-only"]
     if hp is not None:
@@ -346,7 +355,7 @@ def _why_speedup(value: float, thr: float, head: dict, cfgs: dict, res: dict) ->
                      f"{_fmt(head.get('mean_draft_len'))}, c {head.get('cost_ratio_c') or 0:.3g})")
         if hpv is not None:
             parts.append(f"{_fmt(hpv)}x with the verify cost measured on this CPU (a "
-                         f"{_fmt((head.get('mean_draft_len') or 0) + 1, 1)}-token forward = "
+                         f"{_verify_block(head)}-token forward = "
                          f"{_fmt(head.get('verify_cost_vs_step'))} target steps)")
         if value < thr and hp < thr:
             parts.append(f"so even with free verification and no system overhead this drafter could not reach "
@@ -378,12 +387,10 @@ def _why_pipelined(value: float, thr: float, head: dict, cfgs: dict, res: dict) 
 
 def _why_predicted(value: float, thr: float, head: dict, cfgs: dict, res: dict) -> str:
     """Where the measured speedup falls short of the prediction."""
-    hp = head.get("predicted_speedup")
-    hpv = head.get("predicted_speedup_measured_verify_cost")
-    sysov = _system_overhead(res)
+    hp, hpv, sysov = _prediction(head, res)
     return (f"not met: measured {_fmt(head.get('speedup_vs_target_only'))}x vs predicted {_fmt(hp)}x. The paper's "
             f"model takes a verify of g+1 tokens to cost one target step; on this CPU a "
-            f"{_fmt((head.get('mean_draft_len') or 0) + 1, 1)}-token forward costs "
+            f"{_verify_block(head)}-token forward costs "
             f"{_fmt(head.get('verify_cost_vs_step'))} steps, which alone predicts {_fmt(hpv)}x (measured/that = "
             f"{_fmt(head.get('measured_over_predicted_measured_verify_cost'))}); the prompt prefill (the same work "
             f"in both, outside the paper's model) is in the wall time: after the first streamed tokens the "

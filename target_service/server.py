@@ -152,17 +152,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @handle_stream_errors
     def DecodeStream(self, request, context):
         task = self._decode_task(request, self.engine.loaded.max_context)
+        want, next_want, grown_to = self._stream_blocks(request, self.engine.loaded.max_context)
         telemetry.annotate(session_id=task.session_id, max_tokens=task.max_tokens, stream=True)
         self._injected_latency()
         stream = start_decode_stream(self.engine, task)
         context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
         deadline, sent = call_deadline(), 0
-        want = max(1, request.first_block_tokens or request.block_tokens)
-        # Blocks after the first: block_tokens, then doubling up to max_block_tokens (a session whose drafter keeps
-        # finding nothing consults it at short blocks first, then costs what a target-only stream does), never over
-        # half the tokens left: the drafter learns a reply from what it is shown, and the last block is not.
-        next_want = max(1, request.block_tokens)
-        grown_to = max(next_want, request.max_block_tokens)
         growing, left_tokens = grown_to > next_want, task.max_tokens
         margin = 0.0 if deadline is None else min(self.STREAM_END_MARGIN_S, 0.2 * (deadline - time.monotonic()))
         try:
@@ -187,6 +182,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self._injected_latency()
         finally:
             stream.cancel()
+
+    @staticmethod
+    def _stream_blocks(request: target_pb2.DecodeRequest, limit: int) -> tuple[int, int, int]:
+        """A DecodeStream's (first block, next block, largest block) in tokens, checked. Blocks after the first:
+        block_tokens, then doubling up to max_block_tokens (a session whose drafter keeps finding nothing consults
+        it at short blocks first, then costs what a target-only stream does), never over half the tokens left: the
+        drafter learns a reply from what it is shown, and the last block is not."""
+        for name in ("block_tokens", "first_block_tokens", "max_block_tokens"):
+            value = getattr(request, name)
+            if value > limit:
+                raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{name} must be at most {limit} (the stream's token limit), got {value}")
+        block = max(1, request.block_tokens)
+        if request.max_block_tokens and request.max_block_tokens < block:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"max_block_tokens ({request.max_block_tokens}) is below block_tokens ({block}); "
+                           "0 means blocks do not grow")
+        return max(1, request.first_block_tokens or request.block_tokens), block, max(block, request.max_block_tokens)
 
     def _injected_latency(self) -> None:
         if self.latency_enabled:

@@ -58,7 +58,8 @@ class TargetSettings:
         "qwen3 and mistral without sliding window; specdec/models/ragged_batch.py)", choices=("auto", "off"))
     profile_forward: str = setting(
         "on", "measure the forward cost of 1 .. max-draft-len + 1 tokens at start-up (a few seconds) and report it "
-        "in GetInfo, for the orchestrator's adaptive draft length", choices=("on", "off"))
+        "in GetInfo, for the orchestrator's adaptive draft length (the llama.cpp engine measures a profile taken on a "
+        "loaded machine again, then raises it to a conservative curve: docs/architecture.md)", choices=("on", "off"))
     inject_latency_ms: float = setting(
         0.0, "fault injection: once SIGUSR1 turns it on, delay every Verify and Decode this much (SIGUSR1 again turns "
         "it off; a target starts with it off)")

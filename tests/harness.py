@@ -32,6 +32,16 @@ DRAFT_OTHER = "tiny:vocab=64,layers=1,hidden=32,seed=1,std=0.3"  # unrelated mod
 _models: dict = {}
 
 
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    """Poll `condition` every 20 ms for up to timeout_s; whether it came true (checked once more at the end)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
 def model(spec: str):
     if spec not in _models:
         _models[spec] = load_model(spec, device="cpu", dtype="float32")

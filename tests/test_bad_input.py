@@ -1,14 +1,16 @@
 """Bad input gets the right gRPC status and a message a person can read; the services stay up."""
 
 import math
+import threading
 import time
 
 import grpc
 import pytest
 
 from orchestrator.api.server import IncompatibleModels, check_compatible
+from specdec.core.grpc_util import check_health
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.harness import DRAFT_EARLY, model, model_info, start_stack
+from tests.harness import DRAFT_EARLY, model, model_info, start_stack, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,111 @@ def test_services_reject_bad_rpcs_and_stay_healthy(stack):
     # Still serving after all of that.
     r = stack.client.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True)
     assert len(r.token_ids) == 5
+
+
+def _target_stub(stack):
+    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.target_server.address))
+
+
+def test_decode_stream_refuses_bad_requests_with_clear_statuses(stack):
+    target = _target_stub(stack)
+    limit = stack.target_server.servicer.engine.loaded.max_context
+    delta = common_pb2.TokenDelta(prefix_len=0, tokens=[1, 2, 3])
+
+    def stream(**fields):
+        fields.setdefault("session_id", "bad-stream")
+        fields.setdefault("delta", delta)
+        fields.setdefault("max_tokens", 4)
+        return lambda: target.DecodeStream(target_pb2.DecodeRequest(**fields), timeout=5)
+
+    cases = [
+        (stream(session_id=""), grpc.StatusCode.INVALID_ARGUMENT, "session_id is required"),
+        (stream(session_id="s" * 129), grpc.StatusCode.INVALID_ARGUMENT, "longer than 128"),
+        (stream(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{limit}"),
+        (stream(max_tokens=limit + 1), grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{limit}"),
+        (stream(max_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be in"),
+        (stream(delta=common_pb2.TokenDelta(tokens=[1, 999])), grpc.StatusCode.INVALID_ARGUMENT,
+         "outside the vocabulary"),
+        (stream(sampling=common_pb2.SamplingParams(temperature=math.nan)), grpc.StatusCode.INVALID_ARGUMENT,
+         "temperature"),
+        (stream(sampling=common_pb2.SamplingParams(top_p=2.0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (stream(block_tokens=limit + 1), grpc.StatusCode.INVALID_ARGUMENT,
+         f"block_tokens must be at most {limit} (the stream's token limit), got {limit + 1}"),
+        (stream(first_block_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "first_block_tokens must be at most"),
+        (stream(max_block_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "max_block_tokens must be at most"),
+        (stream(block_tokens=8, max_block_tokens=4), grpc.StatusCode.INVALID_ARGUMENT,
+         "max_block_tokens (4) is below block_tokens (8)"),
+        (stream(session_id="never-seen", delta=common_pb2.TokenDelta(prefix_len=7, tokens=[1])),
+         grpc.StatusCode.FAILED_PRECONDITION, "cache-miss"),
+    ]
+    for call, code, words in cases:
+        got, details = status_of(call)
+        assert got == code, details
+        assert words in details, details
+    # max_block_tokens 0 (no growth) or at least block_tokens: a stream of the asked tokens
+    for fields in (dict(block_tokens=2, max_block_tokens=0), dict(block_tokens=2, max_block_tokens=2),
+                   dict(block_tokens=2, first_block_tokens=1, max_block_tokens=limit)):
+        tokens = [t for r in stream(session_id="good-stream", max_tokens=6, **fields)() for t in r.tokens]
+        assert len(tokens) == 6 or tokens[-1] in stack.target_server.servicer.info.eos_token_ids
+    assert check_health(stack.target_server.address, timeout=2.0)
+
+
+@pytest.fixture
+def slow_target(stack, monkeypatch):
+    """The stack's target decoding at one token per 20 ms (the tiny model would finish any stream at once), and the
+    threads its decode streams run on."""
+    engine = stack.target_server.servicer.engine
+    decode = engine.decode
+
+    def slow_decode(task, on_token=None):
+        def slowly(token, cached_len):
+            time.sleep(0.02)
+            return on_token(token, cached_len)
+
+        return decode(task, on_token=None if on_token is None else slowly)
+
+    monkeypatch.setattr(engine, "decode", slow_decode)
+    return lambda sid: [t for t in threading.enumerate() if t.name == f"decode-stream-{sid[:16]}" and t.is_alive()]
+
+
+def _prompt_stream(stack, sid, max_tokens, timeout, block_tokens=1):
+    target = _target_stub(stack)
+    request = target_pb2.DecodeRequest(session_id=sid, delta=common_pb2.TokenDelta(tokens=[1, 2, 3, 4]),
+                                       max_tokens=max_tokens, block_tokens=block_tokens)
+    return target.DecodeStream(request, timeout=timeout)
+
+
+def test_a_decode_stream_ends_by_its_deadline_and_stops_decoding(stack, slow_target):
+    """A stream of 400 tokens (8 s at this pace) with a 1.5 s deadline ends by the deadline, cleanly after a block
+    or as DEADLINE_EXCEEDED, and the target stops decoding it."""
+    t0 = time.monotonic()
+    tokens = []
+    try:
+        for r in _prompt_stream(stack, "deadline-stream", 400, timeout=1.5, block_tokens=4):
+            tokens += r.tokens
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.details()
+    assert time.monotonic() - t0 < 2.5
+    assert len(tokens) < 400
+    assert wait_until(lambda: not slow_target("deadline-stream"), 3.0)
+
+
+def test_a_client_cancelling_mid_stream_frees_the_session(stack, slow_target):
+    """The client cancels after two blocks of a 400-token stream: the target stops decoding it at once (its thread
+    ends, the session's cache stops growing) and the session serves its next call without waiting for the rest."""
+    engine = stack.target_server.servicer.engine
+    stream = _prompt_stream(stack, "cancel-stream", 400, timeout=30)
+    assert len(next(stream).tokens) == 1 and len(next(stream).tokens) == 1
+    stream.cancel()
+    assert wait_until(lambda: not slow_target("cancel-stream"), 3.0)
+    cached = len(engine.store.get("cancel-stream").tokens)
+    assert cached < 4 + 100
+    time.sleep(0.2)
+    assert len(engine.store.get("cancel-stream").tokens) == cached
+    t0 = time.monotonic()
+    again = [t for r in _prompt_stream(stack, "cancel-stream", 5, timeout=10) for t in r.tokens]
+    assert 1 <= len(again) <= 5 and time.monotonic() - t0 < 2.0
+    _target_stub(stack).Release(common_pb2.ReleaseRequest(session_id="cancel-stream"), timeout=5)
 
 
 def test_draft_with_another_tokenizer_is_refused():

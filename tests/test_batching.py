@@ -330,7 +330,7 @@ def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
 
     from specdec.core.sampling import SamplingParams
     from target_service.engines.batching import VerifyBatcher
-    from target_service.engines.jobs import VerifyJob, VerifyOutcome
+    from target_service.engines.jobs import VerifyOutcome, VerifyTask
 
     class SlowEngine:
         def __init__(self):
@@ -338,7 +338,7 @@ def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
 
         def verify_many(self, jobs):
             time.sleep(0.4)
-            self.batches.append(sorted(job.session_id for job in jobs))
+            self.batches.append(sorted(job.task.session_id for job in jobs))
             for job in jobs:
                 job.result = VerifyOutcome(0, 1, 1, 400.0, len(jobs))
 
@@ -346,7 +346,7 @@ def _batches_of_a_late_pair(wait_fraction: float) -> list[list[str]]:
     batcher = VerifyBatcher(engine, window_ms=5, wait_fraction=wait_fraction)
 
     def submit(sid):
-        return batcher.submit(VerifyJob(sid, 0, [1], [], None, SamplingParams(), 0, 0))
+        return batcher.submit(VerifyTask(sid, 0, [1], [], None, SamplingParams()).job())
 
     submit("a"), submit("b")  # each alone: both active now, and the forward time is known
 

@@ -21,7 +21,7 @@ from specdec.core.kv_cache import SessionCacheStore
 from specdec.v1 import common_pb2
 from target_service.engines.torch import TargetEngine
 from target_service.server import build_server as build_target_server
-from tests.harness import DRAFT_SAME, TARGET, model, start_draft
+from tests.harness import DRAFT_SAME, TARGET, model, start_draft, wait_until
 
 
 class FakeDns:
@@ -39,15 +39,6 @@ class FakeDns:
             if self.fail:
                 raise OSError(f"[Errno -2] Name or service not known: {host}")
             return list(self.addresses)
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.mark.parametrize("address,expected", [

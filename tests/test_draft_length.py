@@ -229,6 +229,129 @@ def test_profile_shape_survives_a_slow_spell():
     assert measure_profile(lambda n: 50.0, 1) == [50.0]
 
 
+class SimulatedCpuEngine:
+    """A 2-thread CPU engine's forwards on simulated clocks (deterministic): a forward over n tokens computes
+    8 + 4 (n - 1) ms on both threads. While `loaded(call)`, other processes hold the cores: each forward also waits
+    60 ms at its barriers for a core, during which one thread spins and the other is off the CPU. That fixed cost
+    per forward is how a loaded machine flattens a profile's ratios."""
+
+    THREADS = 2
+
+    def __init__(self, loaded, stall_ms: float = 60.0):
+        self.loaded, self.stall_ms, self.calls, self.cpu_s = loaded, stall_ms, 0, 0.0
+
+    @staticmethod
+    def compute_ms(n: int) -> float:
+        return 8.0 + 4.0 * (n - 1)
+
+    def forward_ms(self, n: int) -> float:
+        self.calls += 1
+        compute = self.compute_ms(n)
+        stall = self.stall_ms if self.loaded(self.calls) else 0.0
+        self.cpu_s += (self.THREADS * compute + stall) / 1e3
+        return compute + stall
+
+    def cpu_clock(self) -> float:
+        return self.cpu_s
+
+
+def _profile_warnings(caplog) -> list:
+    return [r for r in caplog.records if r.name == "specdec.target" and r.getMessage().startswith("forward cost")]
+
+
+def _guarded(engine, max_tokens=32):
+    from target_service.engines.profile import cpu_engine_profile
+
+    return cpu_engine_profile(engine.forward_ms, max_tokens, reps=3, threads=engine.THREADS,
+                              cpu_clock=engine.cpu_clock)
+
+
+def test_a_quiet_cpu_profile_is_kept_as_measured(caplog):
+    caplog.set_level("WARNING", "specdec.target")
+    engine = SimulatedCpuEngine(lambda call: False)
+    prof = _guarded(engine)
+    for n in (2, 8, 17, 32):
+        assert prof[n - 1] / prof[0] == pytest.approx(engine.compute_ms(n) / engine.compute_ms(1), rel=0.01)
+    assert _profile_warnings(caplog) == []
+
+
+def test_a_profile_taken_under_load_is_measured_again(caplog):
+    """Loaded while the first profile runs: its ratios are flat (a 32-token forward at 2.8 single steps against
+    16.5 quiet) and its CPU share low, so it is measured again; the second, quiet one is kept."""
+    from target_service.engines.profile import measure_profile
+
+    counter = SimulatedCpuEngine(lambda call: False)
+    measure_profile(counter.forward_ms, 32, reps=3)
+    calls_per_profile = counter.calls
+    loaded_first = SimulatedCpuEngine(lambda call: call <= calls_per_profile)
+    flat = measure_profile(SimulatedCpuEngine(lambda call: True).forward_ms, 32, reps=3)
+    assert flat[31] / flat[0] < 3.0  # the harm: what an unguarded profile reports under this load
+
+    caplog.set_level("WARNING", "specdec.target")
+    prof = _guarded(loaded_first)
+    quiet_ratio = SimulatedCpuEngine.compute_ms(32) / SimulatedCpuEngine.compute_ms(1)
+    assert quiet_ratio > 16 and prof[31] / prof[0] == pytest.approx(quiet_ratio, rel=0.01)
+    (warning,) = _profile_warnings(caplog)
+    assert warning.action == "re-measure" and warning.attempt == 1 and warning.cpu_share < 0.75
+    assert "CPU time" in warning.reason
+
+
+def test_a_profile_loaded_throughout_falls_back_to_a_conservative_curve(caplog):
+    """Every attempt loaded: the profile is raised to the conservative curve (1 + 0.7 steps per extra token), so
+    the goodput policy no longer takes long blocks for cheap."""
+    from target_service.engines.profile import FALLBACK_STEP_SLOPE, measure_profile
+
+    caplog.set_level("WARNING", "specdec.target")
+    flat = measure_profile(SimulatedCpuEngine(lambda call: True).forward_ms, 32, reps=3)
+    prof = _guarded(SimulatedCpuEngine(lambda call: True))
+    assert all(b >= a for a, b in zip(prof, prof[1:]))
+    for n in range(1, 33):
+        assert prof[n - 1] >= flat[n - 1] - 1e-6
+        assert prof[n - 1] / prof[0] >= 1 + FALLBACK_STEP_SLOPE * (n - 1) - 1e-3
+    messages = [(r.getMessage(), getattr(r, "action", None)) for r in _profile_warnings(caplog)]
+    assert messages == [("forward cost profile implausible", "re-measure"),
+                        ("forward cost profile implausible", "conservative curve"),
+                        ("forward cost profile: conservative curve", None)]
+    prior = AcceptancePrior()
+    for _ in range(100):
+        prior.update(10, 9)  # drafts that are nearly always accepted
+    assert GoodputDraftLength(31, TargetCost(flat), prior).k > GoodputDraftLength(31, TargetCost(prof), prior).k
+
+
+def test_a_slow_failed_profile_is_not_measured_again(caplog):
+    """A profile that took over RETRY_WITHIN_MS (here 92 forwards each waiting 400 ms for a core: a CPU quota's
+    share of a core) goes straight to the conservative curve: start-up does not pay for it twice."""
+    from target_service.engines.profile import FALLBACK_STEP_SLOPE
+
+    caplog.set_level("WARNING", "specdec.target")
+    engine = SimulatedCpuEngine(lambda call: True, stall_ms=400.0)
+    prof = _guarded(engine)
+    calls_per_profile = engine.calls
+    assert calls_per_profile == 92  # one profile's forwards: (3 + 1 warm-up) x (1 + 2 x 11 sizes)
+    assert prof[31] / prof[0] >= 1 + FALLBACK_STEP_SLOPE * 31 - 1e-3
+    first = _profile_warnings(caplog)[0]
+    assert first.action == "conservative curve" and first.attempt == 1 and first.profile_s > 15
+
+
+def test_a_flat_cpu_profile_is_implausible_even_with_the_cores_to_itself(caplog):
+    """Full CPU share, but a 32-token forward at the cost of one: no CPU computes that, so the curve is raised."""
+    from target_service.engines.profile import cpu_engine_profile, implausible
+
+    assert implausible([10.0] * 32, 1.0) is not None
+    assert implausible([10.0] * 7, 1.0) is None  # too short to judge the shape
+    assert implausible([10.0 * (1 + 0.5 * i) for i in range(32)], 0.95) is None
+    clock = [0.0]
+
+    def flat_forward_ms(n):
+        clock[0] += 2 * 10.0 / 1e3
+        return 10.0
+
+    caplog.set_level("WARNING", "specdec.target")
+    prof = cpu_engine_profile(flat_forward_ms, 32, reps=1, threads=2, cpu_clock=lambda: clock[0])
+    assert prof[31] / prof[0] == pytest.approx(1 + 0.7 * 31, rel=0.01)
+    assert "single steps" in _profile_warnings(caplog)[0].reason
+
+
 def test_draft_evidence_learns_what_each_order_of_magnitude_of_score_means():
     from orchestrator.policy.draft_length import DraftEvidence
 

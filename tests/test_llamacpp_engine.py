@@ -17,7 +17,7 @@ from orchestrator.replicas.clients import TargetClient
 from specdec.core import sampling
 from specdec.models import smollm2_gguf_path
 from specdec.core.sampling import SamplingParams
-from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyTask
+from target_service.engines.jobs import DecodeTask, VerifyTask
 from target_service.settings import TargetSettings
 from tests.harness import start_stack
 from tests.stats import chi_square_test, draws
@@ -125,7 +125,7 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
     jobs = []
     for i, (ids, _, block) in enumerate(alone):
         engine.prefill(f"both{i}", 0, ids[:-3])  # the rest arrives with the block, as a Verify's delta
-        jobs.append(VerifyJob(f"both{i}", len(ids) - 3, ids[-3:], block, None, GREEDY, 0, 0))
+        jobs.append(VerifyTask(f"both{i}", len(ids) - 3, ids[-3:], block, None, GREEDY).job())
     calls = []
     decode = engine._decode
     engine._decode = lambda entries, *a: calls.append(len({e[0] for e in entries})) or decode(entries, *a)
@@ -138,7 +138,7 @@ def test_two_sessions_verify_in_one_decode_as_they_do_alone(engine):
         out = job.outcome()
         assert (out.num_accepted, out.next_token, out.batch_size) == (2, ref[2], 2)
         assert out.cached_len == len(ids) + 2
-        rest = greedy_continuation(engine, job.session_id, out.cached_len, out.next_token, 3)
+        rest = greedy_continuation(engine, job.task.session_id, out.cached_len, out.next_token, 3)
         assert ref[:3] + rest == ref
     for sid in ("alone0", "alone1", "both0", "both1"):
         engine.release(sid)
@@ -467,7 +467,7 @@ def test_a_new_session_never_evicts_one_in_the_same_batch():
         small.prefill("ref", 0, ids)
         ref = small.decode(DecodeTask("ref", len(ids), [], 2, GREEDY, 0, 0))[0]
         small.release("ref")
-        jobs = [VerifyJob(f"new{i}", 0, ids, ref[:1], None, GREEDY, 0, 0) for i in range(3)]
+        jobs = [VerifyTask(f"new{i}", 0, ids, ref[:1], None, GREEDY).job() for i in range(3)]
         small.verify_many(jobs)
         outs = [j.outcome() for j in jobs[:2]]
         assert [(o.num_accepted, o.next_token, o.cached_len) for o in outs] == [(1, ref[1], len(ids) + 1)] * 2

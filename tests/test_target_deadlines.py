@@ -14,7 +14,7 @@ import pytest
 
 from specdec.core.grpc_util import _CALL_DEADLINE, call_deadline, handle_errors
 from target_service.engines.batching import VerifyBatcher
-from target_service.engines.jobs import VerifyJob, VerifyOutcome
+from target_service.engines.jobs import VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.torch import TargetEngine
 from specdec.core.sampling import SamplingParams
 from tests.harness import TARGET, model
@@ -30,12 +30,12 @@ class _SlowEngine:
     def verify_many(self, jobs):
         time.sleep(self.forward_s)
         for j in jobs:
-            self.computed.append(j.session_id)
-            j.result = VerifyOutcome(0, 1, j.prefix_len + 1, 1.0)
+            self.computed.append(j.task.session_id)
+            j.result = VerifyOutcome(0, 1, j.task.prefix_len + 1, 1.0)
 
 
 def _job(sid: str) -> VerifyJob:
-    return VerifyJob(sid, 0, [1, 2], [], None, SamplingParams(), 0, 0)
+    return VerifyTask(sid, 0, [1, 2], [], None, SamplingParams()).job()
 
 
 def test_the_batcher_skips_jobs_whose_caller_stopped_waiting():

@@ -10,7 +10,7 @@ import time
 from specdec import observability as telemetry
 from specdec.core import sampling
 from specdec.core.grpc_util import call_deadline
-from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome
+from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 
 
 class VerifyBatcher:
@@ -66,7 +66,7 @@ class VerifyBatcher:
         """Run a lone session's job in the caller's thread: no hand-off to the batcher thread and back, two thread
         wake-ups a token that cost a 2-thread llama.cpp target about a fifth of its single-session speed.
         False (queue it) while another session is active, jobs are queued or a batch is computing."""
-        if self._active(job.session_id, time.monotonic()) != {job.session_id} or not self.queue.empty():
+        if self._active(job.task.session_id, time.monotonic()) != {job.task.session_id} or not self.queue.empty():
             return False
         if not self._forward_lock.acquire(blocking=False):
             return False
@@ -118,7 +118,7 @@ class VerifyBatcher:
         while True:
             jobs = [self.queue.get()]
             now = time.monotonic()
-            waiting_for = self._active(jobs[0].session_id, now) - {jobs[0].session_id}
+            waiting_for = self._active(jobs[0].task.session_id, now) - {jobs[0].task.session_id}
             window = max(self.window_s, self.wait_fraction * self.forward_s)
             deadline = now + (window if waiting_for else 0.0)
             while len(jobs) < self.max_batch:
@@ -130,8 +130,8 @@ class VerifyBatcher:
                 except queue.Empty:
                     break
                 with self._seen_lock:
-                    self._last_seen[jobs[-1].session_id] = time.monotonic()
-                waiting_for.discard(jobs[-1].session_id)
+                    self._last_seen[jobs[-1].task.session_id] = time.monotonic()
+                waiting_for.discard(jobs[-1].task.session_id)
             with self._forward_lock:  # a lone caller's job may be computing: expiry is judged after it
                 late = self._expired(jobs)
                 jobs = [j for j in jobs if j not in late]
@@ -152,8 +152,8 @@ def decode_as_verify_steps(submit, task: DecodeTask, gen=None, t0=None, session=
     out: list[int] = []
     cached, delta = task.prefix_len, task.delta
     for _ in range(task.max_tokens):
-        res = submit(VerifyJob(task.session_id, cached, list(delta), [], None, task.params, task.seed, task.step,
-                               generator=gen, session=session))
+        step = VerifyTask(task.session_id, cached, list(delta), [], None, task.params, task.seed, task.step)
+        res = submit(VerifyJob(step, generator=gen, session=session))
         out.append(res.next_token)
         cached, delta = res.cached_len, [res.next_token]
         wanted = on_token is None or on_token(res.next_token, cached) is not False

@@ -24,15 +24,10 @@ class VerifyOutcome:
 
 @dataclass
 class VerifyJob:
-    session_id: str
-    prefix_len: int
-    delta: list[int]
-    draft_tokens: list[int]
-    draft_probs: torch.Tensor | None
-    params: SamplingParams
-    seed: int
-    step: int
-    tree_parents: list[int] | None = None  # tree speculation: draft_tokens is a token tree
+    """The batcher's mutable record of one verify: its task (what was asked), how the call wants it run, and
+    its outcome once computed."""
+
+    task: VerifyTask
     generator: torch.Generator | None = None  # set by a batched Decode: one stream for all its tokens
     deadline: float | None = None  # time.monotonic() its caller stops waiting: the batcher skips it after that
     # set by a batched Decode: the session object it prefilled, used instead of a store lookup so that another
@@ -65,9 +60,8 @@ class VerifyTask:
 
     def job(self) -> VerifyJob:
         """The batcher's mutable record of this verify (its own copies of the lists)."""
-        return VerifyJob(self.session_id, self.prefix_len, list(self.delta), list(self.draft_tokens),
-                         self.draft_probs, self.params, self.seed, self.step,
-                         None if self.tree_parents is None else list(self.tree_parents))
+        return VerifyJob(replace(self, delta=list(self.delta), draft_tokens=list(self.draft_tokens),
+                                 tree_parents=None if self.tree_parents is None else list(self.tree_parents)))
 
 
 @dataclass(frozen=True)

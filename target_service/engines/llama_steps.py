@@ -109,13 +109,13 @@ class VerifyWork(Work):
     cache. The outcome goes to the VerifyJob."""
 
     def __init__(self, job: VerifyJob):
-        super().__init__(job.session_id, job.prefix_len, job.delta, job.deadline)
+        super().__init__(job.task.session_id, job.task.prefix_len, job.task.delta, job.deadline)
         self.job = job
-        self.n_logits = len(job.draft_tokens) + 1
+        self.n_logits = len(job.task.draft_tokens) + 1
         self.context_len = 0
 
     def extra_rows(self):
-        return list(self.job.draft_tokens)
+        return list(self.job.task.draft_tokens)
 
     def admit(self, seq, new):
         super().admit(seq, new)
@@ -123,12 +123,13 @@ class VerifyWork(Work):
 
     def finish_piece(self, engine, logits) -> bool:
         job, seq = self.job, self.seq
+        task = job.task
         try:
             gen = job.generator
-            if gen is None and not job.params.is_greedy:
-                gen = sampling.make_generator(job.seed, job.step, "verify")
-            rows = logits if job.params.is_greedy else _torch_rows(logits)
-            result = sampling.verify(rows, job.draft_tokens, job.draft_probs, job.params, gen)
+            if gen is None and not task.params.is_greedy:
+                gen = sampling.make_generator(task.seed, task.step, "verify")
+            rows = logits if task.params.is_greedy else _torch_rows(logits)
+            result = sampling.verify(rows, task.draft_tokens, task.draft_probs, task.params, gen)
             engine._crop(seq, self.context_len + result.num_accepted)  # the next token has no KV yet
             job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
                                        (time.perf_counter() - self.started) * 1e3, engine.last_step_sessions)

@@ -36,7 +36,7 @@ from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
                                                 VerifyWork, Work)
-from target_service.engines.profile import measure_profile
+from target_service.engines.profile import cpu_engine_profile
 from target_service.settings import TargetSettings
 
 log = logging.getLogger("specdec.target.llamacpp")
@@ -149,6 +149,7 @@ class LlamaCppEngine(StepLoop):
         except BaseException:
             llama_cpp.llama_model_free(self._model)
             raise
+        self.threads = settings.threads  # llama.cpp's threads: all busy during a forward (the profile's guard)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
         self.loaded = self._describe(path, settings.model, session_context)
@@ -448,7 +449,7 @@ class LlamaCppEngine(StepLoop):
         deadline, wait = self._wait_s()
         chains = []
         for job in jobs:
-            if job.tree_parents is not None:
+            if job.task.tree_parents is not None:
                 self._on_compute(self._verify_tree, job)
                 job.done.set()
             else:
@@ -471,9 +472,10 @@ class LlamaCppEngine(StepLoop):
         and the node's ancestors, exactly the tree mask. The accepted path's cells are then tagged with the
         session's sequence and the scratch sequences dropped."""
         t0 = time.perf_counter()
+        task = job.task
         with self._lock:
             try:
-                parents = tree.check_parents(job.tree_parents, len(job.draft_tokens))
+                parents = tree.check_parents(task.tree_parents, len(task.draft_tokens))
                 kids, depth = tree.children(parents), tree.depths(parents)
                 leaves = [i for i in range(len(parents)) if not kids[i + 1]]
                 if not self.kv_unified:
@@ -481,8 +483,8 @@ class LlamaCppEngine(StepLoop):
                                      "(kv_unified, not batch-invariant); send a chain draft")
                 if len(leaves) > len(self._scratch_ids):
                     raise ValueError(f"a tree of {len(leaves)} leaves exceeds this engine's {MAX_TREE_LEAVES}")
-                seq = self._sequence(job.session_id, keep=self._busy)
-                new = self._sync(seq, job.prefix_len, job.delta)
+                seq = self._sequence(task.session_id, keep=self._busy)
+                new = self._sync(seq, task.prefix_len, task.delta)
                 context_len = len(seq.tokens) + len(new)
                 if context_len + max(depth, default=-1) + 1 > self.loaded.max_context:
                     raise ContextTooLong(f"context of {context_len + max(depth) + 1} tokens exceeds the limit of "
@@ -499,18 +501,18 @@ class LlamaCppEngine(StepLoop):
             for sid in scratch.values():
                 self._ll.llama_memory_seq_cp(self._mem, seq.seq_id, sid, -1, -1)
             entries = [((seq.seq_id, *scratch.values()), t, start + j, j == len(new) - 1) for j, t in enumerate(new)]
-            entries += [(tuple(below[i]), t, context_len + depth[i], True) for i, t in enumerate(job.draft_tokens)]
+            entries += [(tuple(below[i]), t, context_len + depth[i], True) for i, t in enumerate(task.draft_tokens)]
             try:
                 logits = self._decode(entries, [(seq.seq_id, start)])
                 seq.tokens.extend(new)
-                gen = None if job.params.is_greedy else sampling.make_generator(job.seed, job.step, "verify")
+                gen = None if task.params.is_greedy else sampling.make_generator(task.seed, task.step, "verify")
                 # Row 0: the root (after the last context token); row i + 1: after node i.
-                result = sampling.verify_tree(torch.from_numpy(logits), job.draft_tokens, parents, job.draft_probs,
-                                              job.params, gen)
+                result = sampling.verify_tree(torch.from_numpy(logits), task.draft_tokens, parents, task.draft_probs,
+                                              task.params, gen)
                 if result.path:  # the path's positions of a leaf below its last node: the accepted path
                     self._ll.llama_memory_seq_cp(self._mem, below[result.path[-1]][0], seq.seq_id, context_len,
                                                  context_len + len(result.path))
-                    seq.tokens.extend(job.draft_tokens[i] for i in result.path)
+                    seq.tokens.extend(task.draft_tokens[i] for i in result.path)
                 job.result = VerifyOutcome(result.num_accepted, int(result.next_token), len(seq.tokens),
                                            (time.perf_counter() - t0) * 1e3, 1, tuple(result.path))
             except Exception as e:  # noqa: BLE001
@@ -573,7 +575,7 @@ class LlamaCppEngine(StepLoop):
                     self._crop(seq, context)
                     return dt
 
-                return measure_profile(forward_ms, max_tokens, reps)
+                return cpu_engine_profile(forward_ms, max_tokens, reps, threads=self.threads)
             finally:
                 self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
                 self._free_ids.append(seq.seq_id)

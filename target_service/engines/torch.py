@@ -98,19 +98,19 @@ class TargetEngine:
 
     def verify_many(self, jobs: list["VerifyJob"]) -> None:
         """Verify blocks of several sessions with ONE forward pass; each job gets its outcome or its error."""
-        trees = [job for job in jobs if job.tree_parents is not None]
+        trees = [job for job in jobs if job.task.tree_parents is not None]
         if trees:  # a token tree has its own mask: one forward per tree (see target_service/engines/torch_tree.py)
             from target_service.engines.torch_tree import verify_tree_job
 
             for job in trees:
                 verify_tree_job(self, job)
-            jobs = [job for job in jobs if job.tree_parents is None]
+            jobs = [job for job in jobs if job.task.tree_parents is None]
             if not jobs:
                 return
         seen, first, later = set(), [], []
         for job in jobs:  # two blocks of one session cannot share a forward: the second goes next
-            (later if job.session_id in seen else first).append(job)
-            seen.add(job.session_id)
+            (later if job.task.session_id in seen else first).append(job)
+            seen.add(job.task.session_id)
         self._verify_batch(first)
         if later:
             self.verify_many(later)
@@ -119,25 +119,25 @@ class TargetEngine:
         t0 = time.perf_counter()
         ready, locked = [], []
         for job in jobs:
-            sess = job.session if job.session is not None else self.store.get(job.session_id)
+            sess = job.session if job.session is not None else self.store.get(job.task.session_id)
             sess.lock.acquire()
             locked.append((sess, job))
             try:
-                new = self.lm.sync(sess, job.prefix_len, job.delta)
+                new = self.lm.sync(sess, job.task.prefix_len, job.task.delta)
                 ready.append((sess, job, new, len(sess.tokens) + len(new)))
             except Exception as e:  # noqa: BLE001 - reported to that job's caller only
                 job.error = e
         try:
             if ready:
-                all_logits = extend_batch(self.lm, [(sess, new + job.draft_tokens) for sess, job, new, _ in ready],
-                                          keep=[len(job.draft_tokens) + 1 for _, job, _, _ in ready])
+                all_logits = extend_batch(self.lm, [(sess, new + job.task.draft_tokens) for sess, job, new, _ in ready],
+                                          keep=[len(job.task.draft_tokens) + 1 for _, job, _, _ in ready])
                 for (sess, job, new, context_len), logits in zip(ready, all_logits):
                     try:
                         # Row i predicts draft token i; the last row predicts the bonus token.
-                        gen = job.generator
-                        if gen is None and not job.params.is_greedy:
-                            gen = sampling.make_generator(job.seed, job.step, "verify")
-                        result = sampling.verify(logits, job.draft_tokens, job.draft_probs, job.params, gen)
+                        task, gen = job.task, job.generator
+                        if gen is None and not task.params.is_greedy:
+                            gen = sampling.make_generator(task.seed, task.step, "verify")
+                        result = sampling.verify(logits, task.draft_tokens, task.draft_probs, task.params, gen)
                         # Keep KV of the context and the accepted drafts; the next token has no KV yet.
                         self.lm.crop(sess, context_len + result.num_accepted)
                         self.store.update_size(sess)
