@@ -67,16 +67,14 @@ def token_ms(context: int) -> float:
 
 class StreamBlocks:
     """A weak-draft stream's block sizes (target_service/server.py DecodeStream): BLOCK, BLOCK, then doubling up to
-    MAX_BLOCK, never over half the tokens the stream was opened for that are left (at least BLOCK)."""
+    MAX_BLOCK."""
 
-    def __init__(self, total: int):
-        self.want, self.next_want, self.left = BLOCK, BLOCK, total
+    def __init__(self):
+        self.want, self.next_want = BLOCK, BLOCK
 
     def take(self, room: int) -> int:
         n = max(1, min(self.want, room))
-        self.left -= n
-        self.want = min(self.next_want, max(BLOCK, self.left // 2))
-        self.next_want = min(MAX_BLOCK, 2 * self.next_want)
+        self.want, self.next_want = self.next_want, min(MAX_BLOCK, 2 * self.next_want)
         return n
 
 
@@ -179,7 +177,7 @@ def run_closing(mode: str, ids: list[int], reply: list[int], evidence, cost=None
         if mode == "stream" or (ramp and (blocks is not None or dry >= ramp or not r.out["verifies"])):
             if blocks is None:
                 r.ms += DECODE_RPC_MS
-                blocks = StreamBlocks(len(reply) - r.t)
+                blocks = StreamBlocks()
             r.stream_tokens(blocks.take(len(reply) - r.t))
         else:
             m = min(BLOCK, 1 << dry, len(reply) - r.t)
@@ -196,7 +194,7 @@ def run_onstream(mode: str, ids: list[int], reply: list[int], evidence, cost=Non
     r = Replay(mode, ids, reply, evidence, cost)
     d, hold = r.d, mode == "onstream-hold"
     r.ms += DECODE_RPC_MS  # the stream's opening call
-    blocks, held = StreamBlocks(len(reply) - 1), False  # held: the target waits for this draft (no step in flight)
+    blocks, held = StreamBlocks(), False  # held: the target waits for this draft (no step in flight)
     while r.t < len(reply):
         draft, scores = r.draft()
         room = len(reply) - r.t - 1
@@ -222,7 +220,7 @@ def run_onstream(mode: str, ids: list[int], reply: list[int], evidence, cost=Non
             r.verify(draft[1:], scores[1:], n, 0.0)  # its outcome: a message as a block's (stream_tokens)
         else:
             d.observe_evidence(scores[:1], 1, 0)
-        blocks, held = StreamBlocks(len(reply) - r.t), hold
+        blocks, held = StreamBlocks(), hold
     return r.result()
 
 

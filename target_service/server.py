@@ -159,7 +159,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         stream = start_decode_stream(self.engine, task)
         context.add_callback(stream.cancel)  # the caller cancelled or the call ended: the engine stops decoding it
         deadline, sent = call_deadline(), 0
-        growing, left_tokens = grown_to > next_want, task.max_tokens
         margin = 0.0 if deadline is None else min(self.STREAM_END_MARGIN_S, 0.2 * (deadline - time.monotonic()))
         try:
             while True:
@@ -173,13 +172,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         return  # no token since the last block before the margin: the clean end, as above
                     raise
                 if block.tokens:
-                    sent, left_tokens = sent + 1, left_tokens - len(block.tokens)
+                    sent += 1
                     yield target_pb2.DecodeResponse(tokens=block.tokens, cached_len=block.cached_len,
                                                     decode_ms=block.decode_ms)
                 if block.finished:
                     return
-                want = min(next_want, max(1, request.block_tokens, left_tokens // 2)) if growing else next_want
-                next_want = min(grown_to, 2 * next_want)
+                want, next_want = next_want, min(grown_to, 2 * next_want)
                 self._injected_latency()
         finally:
             stream.cancel()
@@ -188,8 +186,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _stream_blocks(request: target_pb2.DecodeRequest, limit: int) -> tuple[int, int, int]:
         """A DecodeStream's (first block, next block, largest block) in tokens, checked. Blocks after the first:
         block_tokens, then doubling up to max_block_tokens (a session whose drafter keeps finding nothing consults
-        it at short blocks first, then costs what a target-only stream does), never over half the tokens left: the
-        drafter learns a reply from what it is shown, and the last block is not."""
+        it at short blocks first, then costs what a target-only stream does)."""
         for name in ("block_tokens", "first_block_tokens", "max_block_tokens"):
             value = getattr(request, name)
             if value > limit:

@@ -195,6 +195,7 @@ def _prompt_stream(stack, sid, max_tokens, timeout, block_tokens=1):
     return target.DecodeStream(request, timeout=timeout)
 
 
+@pytest.mark.serial  # deadline and stop bounds
 def test_a_decode_stream_ends_by_its_deadline_and_stops_decoding(stack, slow_target):
     """A stream of 400 tokens (8 s at this pace) with a 1.5 s deadline ends by the deadline, cleanly after a block
     or as DEADLINE_EXCEEDED, and the target stops decoding it."""
@@ -210,6 +211,7 @@ def test_a_decode_stream_ends_by_its_deadline_and_stops_decoding(stack, slow_tar
     assert wait_until(lambda: not slow_target("deadline-stream"), 3.0)
 
 
+@pytest.mark.serial  # deadline and stop bounds
 def test_a_client_cancelling_mid_stream_frees_the_session(stack, slow_target):
     """The client cancels after two blocks of a 400-token stream: the target stops decoding it at once (its thread
     ends, the session's cache stops growing) and the session serves its next call without waiting for the rest."""

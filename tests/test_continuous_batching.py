@@ -17,6 +17,7 @@ import pytest
 from orchestrator.replicas.clients import DecodeCall, TargetClient
 from specdec.core.sampling import SamplingParams
 from target_service.server import build_server
+from tests.harness import wait_until
 from tests.test_llamacpp_engine import GREEDY, PROMPTS, make_engine, prompt_ids
 from target_service.engines.jobs import DecodeTask, VerifyTask
 
@@ -259,12 +260,69 @@ def test_a_stream_with_a_stale_prefix_is_a_cache_miss_and_a_resend_continues_it(
 
 def test_decode_stream_bad_input_is_a_clear_error(served):
     engine, client = served
-    with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream(DecodeCall("bad", [1, 2], 0, 0, GREEDY), 10.0)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as err:
-        client.decode_stream(DecodeCall("bad", [engine.vocab_size + 5], 0, 4, GREEDY), 10.0)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    limit = engine.loaded.max_context
+    cases = [
+        (DecodeCall("bad", [1, 2], 0, 0, GREEDY), "max_tokens must be in"),
+        (DecodeCall("bad", [engine.vocab_size + 5], 0, 4, GREEDY), "outside the vocabulary"),
+        (DecodeCall("bad", [1, 2], 0, 4, GREEDY, block_tokens=limit + 1), "block_tokens must be at most"),
+        (DecodeCall("bad", [1, 2], 0, 4, GREEDY, block_tokens=4, max_block_tokens=2),
+         "max_block_tokens (2) is below block_tokens (4)"),
+    ]
+    for call, words in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            client.decode_stream(call, 10.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    assert not engine._works  # nothing was started for them
+
+
+def test_random_decode_stream_requests_get_clear_statuses(served):
+    """The fuzz of tests/test_fuzz.py against the llama.cpp engine's own DecodeStream (its step loop): random
+    well-formed requests, short ones so that the real model answers them quickly, end with a clear status in time,
+    and leave no work behind."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from specdec.v1 import common_pb2, target_pb2
+    from tests.test_fuzz import block_sizes, delta, sampling, session_ids, u32
+
+    engine, client = served
+    channel = grpc.insecure_channel(client.address)
+    method = channel.unary_stream("/specdec.v1.TargetService/DecodeStream",
+                                  response_deserializer=target_pb2.DecodeResponse.FromString)
+    # Mostly well-formed, so that streams run too: each field valid first, then anything.
+    blocks = st.one_of(st.integers(0, 8), st.integers(0, 8), block_sizes)
+    prompt = st.builds(common_pb2.TokenDelta, tokens=st.lists(st.integers(0, 70), min_size=1, max_size=8))
+    requests = st.builds(target_pb2.DecodeRequest, session_id=st.one_of(st.text(min_size=1, max_size=20), session_ids),
+                         delta=st.one_of(prompt, delta),
+                         sampling=st.one_of(st.just(common_pb2.SamplingParams()), sampling),
+                         max_tokens=st.one_of(st.integers(1, 6), st.integers(0, 6), u32),
+                         stop_token_ids=st.lists(u32, max_size=3),
+                         block_tokens=blocks, first_block_tokens=blocks, max_block_tokens=blocks)
+
+    seen: set[str] = set()
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(requests)
+    def one(msg):
+        t0 = time.monotonic()
+        try:
+            for reply in method(msg.SerializeToString(), timeout=20):
+                assert 1 <= len(reply.tokens) <= max(1, msg.max_tokens)
+            seen.add("OK")
+        except grpc.RpcError as e:
+            seen.add(e.code().name)
+            assert e.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED), (msg, e.details())
+            assert e.details() and len(e.details()) < 500
+        assert time.monotonic() - t0 < 10, msg
+
+    one()
+    channel.close()
+    assert "OK" in seen and "INVALID_ARGUMENT" in seen, seen  # both decoded streams and refusals were tried
+    assert wait_until(lambda: not engine._works and not engine._busy, 5.0)
+    for sid in list(engine._sequences):  # the fuzz's sessions leave the cache to the tests after this one
+        engine.release(sid)
 
 
 def test_a_stream_ends_cleanly_before_its_deadline(served):

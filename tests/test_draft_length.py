@@ -610,3 +610,27 @@ def test_an_untested_match_starts_from_the_tested_weaker_ones_and_is_explored_on
     d.stream_open = True
     assert d.verify_len([2.0**3] * 3, limit=63) == 0  # not worth closing the stream to test
     assert d.verify_len([2.0**18] * 16, limit=63) >= 8  # priced from bucket 3's record: a long block pays
+
+
+def test_a_verify_at_a_context_whose_token_cost_is_unmeasured_does_not_teach_load():
+    """At a long context the Decode steps have not reached yet, a token's attention over it is unknown (rag's first
+    step after a 1.4k-token prompt): a Verify there is not learned as load, which would price every later Verify
+    by it (here 4x) while no Verify runs to correct it."""
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(50):
+        ev.update([2.0**18] * 32, verified=32, accepted=32)
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(40):
+        cost.observe_step(2.0 + 20.0, server_ms=20.0)
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True, context=100)
+    d = GoodputDraftLength(63, cost, evidence=ev)
+    d.use_free_drafter(True)
+    assert d.verify_len([2.0**18] * 32, limit=63) >= 8  # a sure quotation after a short prompt
+    cost.observe(9, server_ms=9 * 40.0, context=1500)  # a Verify at an unmeasured context: mostly attention
+    assert cost.load.value is None
+    assert d.verify_len([2.0**18] * 32, limit=63) >= 8  # later quotations after short prompts still pay
+    cost.observe(1, server_ms=4 * 40.0, calls=4, decode=True, context=1500)  # the stream reaches it
+    cost.observe(9, server_ms=cost.forward(9) + 9 * 30.0, context=1500)
+    assert cost.load.value == pytest.approx(1.0)  # the attention's share is not load

@@ -60,8 +60,7 @@ def run_session(speculation: bool, profile: list[float], active: int = 1, drafts
             step.target.stream = object()  # open (what the step asks of TargetCall)
         n = min(stream["want"], stream["left"])
         stream["left"] -= n
-        grows = stream["grown_to"] > block_of(stream)
-        stream["want"] = min(stream["block"], max(block_of(stream), stream["left"] // 2)) if grows else stream["block"]
+        stream["want"] = stream["block"]
         stream["block"] = min(stream["grown_to"], 2 * stream["block"])
         calls["decode"].append(n)
         return DecodeReply([7] * n, len(rec.committed) + n - 1, 10.0 * n, False)
@@ -146,11 +145,10 @@ def test_a_free_drafters_weak_drafts_decode_on_the_stream_as_a_target_only_sessi
     weak = run_session(True, llamacpp_profile(), strategy="suffix", score=2.0**2, drafts=lambda i: [5, 6, 7],
                        evidence=_evidence(2.0**2, 2.0**18))
     assert weak["verify"] == [] and weak["unary"] == []
-    # its first token at once, then blocks growing while nothing pays, never over half the tokens left (the drafter
-    # learns the reply from what it is shown: the last block it is not)
-    assert weak["decode"] == [1, 4, 8, 5, 4, 2]
+    # its first token at once, then blocks growing while nothing pays
+    assert weak["decode"] == [1, 4, 8, 11]
     assert weak["streams"] == target_only["streams"] == [NEW_TOKENS]
-    assert weak["propose"] == 6  # one lookup per block of the stream
+    assert weak["propose"] == 4  # one lookup per block of the stream
     dry = run_session(True, llamacpp_profile(), strategy="suffix", evidence=_evidence(2.0**2, 2.0**18))
     assert dry["unary"] == [] and dry["streams"] == [NEW_TOKENS]  # no match at all: the stream as well
 
@@ -164,9 +162,9 @@ def test_a_weak_draft_streams_blocks_grow_to_a_target_only_streams():
     weak = run_session(True, llamacpp_profile(), strategy="suffix", score=2.0**2, drafts=lambda i: [5, 6, 7],
                        evidence=_evidence(2.0**2, 2.0**18), new_tokens=n)
     assert target_only["decode"] == [1, 16, 16, 16, 16, 15]
-    assert weak["decode"] == [1, 4, 8, 16, 16, 16, 9, 5, 4, 1] and weak["verify"] == [] and weak["unary"] == []
-    assert len(weak["decode"]) <= len(target_only["decode"]) + 4  # four more wake-ups in 80 tokens, not 15
-    assert weak["propose"] == len(weak["decode"]) - 1  # the drafter looks at every block but the last
+    assert weak["decode"] == [1, 4, 8, 16, 16, 16, 16, 3] and weak["verify"] == [] and weak["unary"] == []
+    assert len(weak["decode"]) <= len(target_only["decode"]) + 2  # two more wake-ups in 80 tokens, not 15
+    assert weak["propose"] == len(weak["decode"])  # the drafter looks at every block's step
 
 
 def test_a_streaming_session_switches_to_a_verify_when_its_drafter_finds_a_strong_match():

@@ -124,7 +124,7 @@ class Step:
         waited for and lost). Right after a Verify (a copied passage pauses for a word or two, then goes on) its
         first WEAK_RAMP weak steps decode 1, then 2 tokens in Decode calls instead, so a draft that pays again soon
         needs no stream closed (replayed, bench/stream_policy_replay.py, docs/benchmark.md: ahead of streaming every
-        weak step on every prompt set, 1.034x target-only against 1.029x, 1.032x against 1.015x)."""
+        weak step on every prompt set, 1.047x target-only against 1.046x, 1.035x against 1.017x)."""
         if not self.draft_len.free:
             return False
         return (self.target.stream is not None or self.dry_steps >= WEAK_RAMP

@@ -113,7 +113,8 @@ class TargetCost:
     block of n tokens costs about n times that extra on top of its profiled forward, and the curve's gain from long
     blocks shrinks. Decode steps measure it per context bucket (powers of two from 256 tokens): attention_ms(c), a
     token's cost at context c beyond its cost in the shortest bucket measured, is added per token to every forward
-    at that context (and taken out of what the observed / profiled ratios learn)."""
+    at that context (and taken out of what the observed / profiled ratios learn; a Verify at a bucket not measured
+    yet teaches no ratio)."""
 
     SHORT_CONTEXT = 256  # contexts below this share the first bucket (the profile's own)
 
@@ -164,6 +165,8 @@ class TargetCost:
         taking server_ms on the target; `decode`: a target-only Decode call (its steps), else a Verify."""
         if not self.forward_ms or tokens < 1 or tokens > self.max_tokens or server_ms <= 0:
             return
+        if not decode and not self.context_measured(context):
+            return  # its attention's share unknown: taken for load it would price every later Verify by it
         with self._lock:
             per_call = server_ms / calls
             if decode and tokens == 1:
