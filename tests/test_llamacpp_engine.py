@@ -69,10 +69,14 @@ def prompt_ids(engine, text: str) -> list[int]:
 
 
 def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, engine):
+    from specdec.eval_prompts import PROMPTS as EVAL_PROMPTS
+
     stack = start_stack(redis_url, draft="ngram", target_engine=engine)
+    long_prompt = next(p.text for p in EVAL_PROMPTS if p.kind == "summary")  # ~170 tokens: the prompt context's
     try:
         proposed = accepted = 0
-        for prompt in PROMPTS:
+        rows_before = engine.prompt_context_rows
+        for prompt in [*PROMPTS, long_prompt]:
             ref = stack.client.generate(prompt, max_new_tokens=48, chat=True, speculation=False)
             spec = stack.client.generate(prompt, max_new_tokens=48, chat=True, max_draft_len=4)
             assert spec.token_ids == ref.token_ids
@@ -82,6 +86,8 @@ def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, e
             accepted += spec.stats["draft_tokens_accepted"]
         assert 0 < accepted < proposed  # both the accept and the reject path ran
         assert TargetClient(stack.target_server.address).info().dtype.startswith("llama.cpp")
+        # the orchestrator sent the prompt's length: the long prompt went through the prompt context, twice
+        assert engine.prompt_context_rows - rows_before > 2 * 100
     finally:
         stack.stop()
 

@@ -188,3 +188,24 @@ def test_the_main_context_is_split_invariant_over_the_whole_rag_prompt(engine, r
         ways[piece] = greedy_rows(engine, sid, rag_ids[-1], 3)
         engine.release(sid)
     assert np.array_equal(ways[512], ways[63]), f"differ by up to {np.abs(ways[512] - ways[63]).max()}"
+
+
+def test_a_prompt_fed_beside_a_decoding_stream_gives_the_cache_it_gets_alone(engine, rag_ids):
+    """The rag prompt through the prompt context alone (512-row calls), and again while another session decodes
+    (PREFILL_ROWS_PER_STEP-row calls between the stream's steps): bitwise the same logits in the steps after it."""
+    n = len(rag_ids)
+    engine.prefill("solo", 0, rag_ids[:-1], prompt_len=n)
+    alone = greedy_rows(engine, "solo", rag_ids[-1], 3)
+    engine.release("solo")
+    stream = engine.decode_stream(DecodeTask("busy", 0, rag_ids[:40], 300, GREEDY))
+    stream.take(1, 600.0)  # decoding before the prompt arrives
+    try:
+        engine.prefill("beside", 0, rag_ids[:-1], prompt_len=n)
+        steps_beside = len(stream.produced)
+    finally:
+        stream.cancel()
+    beside = greedy_rows(engine, "beside", rag_ids[-1], 3)
+    for sid in ("beside", "busy"):
+        engine.release(sid)
+    assert steps_beside > 1, "the stream did not decode beside the prompt"
+    assert np.array_equal(alone, beside), f"differ by up to {np.abs(alone - beside).max()}"

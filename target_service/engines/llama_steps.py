@@ -436,6 +436,7 @@ class StepLoop:
         try:
             self._decode_prompt(piece, len(self._prompt_tokens))
             self._prompt_tokens += piece
+            self.prompt_context_rows += n
             work.fed(n)
             work.prompt_rows -= n
             if work.prompt_rows:

@@ -129,6 +129,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
             raise
         self._prompt_owner = None  # the work whose prompt the prompt context holds (llama_prompt.py)
         self._prompt_tokens: list[int] = []
+        self.prompt_context_rows = 0  # prompt rows computed in the prompt context so far
         self.threads = settings.threads  # llama.cpp's threads: all busy during a forward (the profile's guard)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
