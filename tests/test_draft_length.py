@@ -143,9 +143,10 @@ def test_goodput_stops_speculating_when_the_step_overhead_outweighs_it():
     assert policy(5.0).k >= 1
     sessions[0] = 8
     assert policy(50.0).k == 0
-    per_call = policy(50.0)
+    streamed, per_call = policy(50.0), policy(50.0)
     per_call.streamed, per_call.decode_chunk = False, 1  # target-only charged the whole overhead per token
-    assert per_call.best() >= 1  # would make speculation win
+    gain = [d.tokens_per_ms(1, 8) / d.tokens_per_ms(0, 8) for d in (streamed, per_call)]
+    assert gain[1] > 1.2 * gain[0]  # would make speculation look far better than it is
 
 
 def test_goodput_needs_a_profile_else_heuristic():
@@ -669,3 +670,37 @@ def test_a_stale_verify_ratio_relaxes_toward_what_decode_steps_measure():
         for _ in range(TargetCost.STALE_AFTER):
             premium.observe(1, server_ms=4 * premium.forward(1), calls=4, decode=True)
     assert premium.load.value == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_block_in_a_shared_step_is_priced_by_the_delay_its_rows_give_every_session():
+    """On a batching target each extra row of one session's block lengthens the step every session in it waits
+    for: 8 sessions decoding in one forward over 8 rows (4.7 single steps on the llama.cpp curve), a session whose
+    drafts are accepted at ~0.75 per token gains ~3 tokens with 4 more rows, while those rows delay 8 sessions'
+    tokens. Priced as its own step alone (the curve's marginal rows look cheap next to 8 rows) it drafts and the
+    batch commits fewer tokens per ms; priced by its delay to all it decodes target-only. One session, or a sure
+    copy, still drafts."""
+    sessions = [8]
+    cost = TargetCost(llamacpp_curve(), max_batch=16, sessions=lambda: sessions[0])
+    for _ in range(30):
+        cost.observe(1, server_ms=cost.forward(8), decode=True)  # the other sessions decode one token a step
+
+    def policy(successes: float, failures: float) -> GoodputDraftLength:
+        d = GoodputDraftLength(16, cost)
+        d.own.successes, d.own.failures = successes, failures
+        d.prior.successes, d.prior.failures = successes, failures
+        return d
+
+    def batch_tokens_per_ms(k: int, alpha: float) -> float:  # the whole step: 7 sessions' tokens and this one's
+        return (7 + expected_accepted_length(alpha, k)) / cost.forward(8 + k)
+
+    weak = policy(30.0, 10.0)  # per-token acceptance 0.75
+    assert batch_tokens_per_ms(4, 0.75) < batch_tokens_per_ms(0, 0.75)  # drafting would slow the batch
+    assert weak.best() == 0
+    # Past 8 rows a row costs more than the average row of 8 here (4.7 -> 10.1 steps at 16): not even a sure copy
+    # beats the batch's own rate; where the curve is flat at the batch's size, extra rows delay nobody.
+    assert policy(400.0, 1.0).best() == 0
+    flat = GoodputDraftLength(16, TargetCost([60.0] + [70.0] * 39, max_batch=16, sessions=lambda: 8))
+    flat.own.successes, flat.own.failures = 30.0, 10.0
+    assert flat.best() >= 1
+    sessions[0] = 1
+    assert policy(30.0, 10.0).best() >= 1  # alone, its block delays nobody else

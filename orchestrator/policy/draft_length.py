@@ -26,49 +26,10 @@ import math
 import threading
 from dataclasses import dataclass
 
+from orchestrator.policy.fixed_length import DraftLength
 from specdec.core.sampling import expected_accepted_length
 
 FREE_DRAFTERS = ("suffix",)  # ModelInfo.strategy of drafters that cost ~nothing per token and size their drafts
-
-
-class DraftLength:
-    """Fixed, or the heuristic transformers uses for assisted generation: +2 after a fully accepted block,
-    -1 after a rejection."""
-
-    free = False  # heuristic and fixed lengths treat every drafter alike (use_free_drafter)
-    stream_open = False  # set by the step; nothing here prices it
-    context = 0
-
-    def __init__(self, start: int, max_len: int, adaptive: bool):
-        self.k = max(1, min(start, max_len))
-        self.max_len = max_len
-        self.adaptive = adaptive
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if not self.adaptive or proposed == 0:
-            return
-        self.k = min(self.max_len, self.k + 2) if accepted == proposed else max(1, self.k - 1)
-
-    def step_taken(self) -> None:
-        """Heuristic and fixed lengths never pause."""
-
-    def dry(self) -> bool:
-        """Heuristic and fixed lengths never pause: a step that drafted nothing takes the dry ramp."""
-        return False
-
-    def request_len(self, k: int) -> int:
-        """How many tokens to ask the drafter for when this step drafts k."""
-        return k
-
-    def use_free_drafter(self, free: bool) -> None:
-        """Heuristic and fixed lengths treat every drafter alike."""
-
-    def verify_len(self, scores: list[float], limit: int) -> int:
-        """How many of the drafted tokens to verify, given the drafter's scores for them."""
-        return len(scores)
-
-    def observe_evidence(self, scores: list[float], verified: int, accepted: int) -> None:
-        """Heuristic and fixed lengths ignore the drafter's scores."""
 
 
 class Ema:
@@ -202,6 +163,17 @@ class TargetCost:
     def batched_forward(self, tokens: int, rows: int) -> float:
         """Profiled ms of a forward that carries a block of `tokens` and the other rows' usual blocks."""
         return self.forward(tokens + round((rows - 1) * self.block.get(tokens)))
+
+    def shared_delay_ms(self, tokens: int, rows: int, context: int = 0) -> float:
+        """What a block of `tokens` costs the other rows - 1 sessions of its step: its rows beyond one token's
+        lengthen the forward each of them waits for, at the curve's marginal cost at this batch's size."""
+        if rows <= 1 or tokens <= 1 or not self.forward_ms:
+            return 0.0
+        others = round((rows - 1) * self.block.get(tokens))
+        scale = self.load.get(self.decode_load.get(1.0))
+        extra = ((self.forward(tokens + others) - self.forward(1 + others)) * scale
+                 + (tokens - 1) * self.attention_ms(context))
+        return (rows - 1) * max(0.0, extra)
 
     def observe_step(self, step_ms: float, server_ms: float) -> None:
         """One step of a session (a Verify or one Decode call, with its commit; without the Propose call): step_ms
@@ -458,12 +430,18 @@ class GoodputDraftLength:
         wait = self.cost.switch_wait_ms.get(self.cost.stream_token_ms(rows, self.context))
         return wait + self.cost.overhead_ms.get(0.0)
 
+    def verify_ms(self, tokens: int, rows: int = 1) -> float:
+        """A Verify of `tokens` priced for the batch: its call, plus the delay its extra rows give every other session
+        of the step (TargetCost.shared_delay_ms), so a block pays only where it beats the batch's own rate."""
+        return (self.cost.step_ms(tokens, rows, context=self.context)
+                + self.cost.shared_delay_ms(tokens, rows, self.context))
+
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         if k == 0:
             return 1.0 / self.target_only_ms(rows)
         draft = self.draft_cost
         a = min(self.alpha if alpha is None else alpha, 0.999)
-        verify = self.cost.step_ms(k + 1, rows, context=self.context) + self.switch_ms(rows)
+        verify = self.verify_ms(k + 1, rows) + self.switch_ms(rows)
         drafting = k * draft.per_token(self._sessions())
         t = verify + draft.call_ms.get(0.0) + drafting
         if self.pipelined:
@@ -546,7 +524,7 @@ class GoodputDraftLength:
         for d in range(1, min(len(scores), limit, self.cost.max_tokens - 1) + 1):
             reach *= self.evidence.monotone_acceptance(scores[d - 1], self.EXPLORE_BELOW)
             expected += reach
-            rate = expected / (self.cost.step_ms(d + 1, rows, context=self.context) + switch)
+            rate = expected / (self.verify_ms(d + 1, rows) + switch)
             if rate > best:
                 best_d, best = d, rate
         explore = (switch == 0 and self.cost.context_measured(self.context)
