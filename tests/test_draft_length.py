@@ -634,3 +634,38 @@ def test_a_verify_at_a_context_whose_token_cost_is_unmeasured_does_not_teach_loa
     cost.observe(1, server_ms=4 * 40.0, calls=4, decode=True, context=1500)  # the stream reaches it
     cost.observe(9, server_ms=cost.forward(9) + 9 * 30.0, context=1500)
     assert cost.load.value == pytest.approx(1.0)  # the attention's share is not load
+
+
+def test_a_stale_verify_ratio_relaxes_toward_what_decode_steps_measure():
+    """One Verify slowed by a passing spell of load (4x its profile) must not price every later block out for good:
+    after TargetCost.STALE_AFTER Decode observations with no Verify, the Verify ratio moves toward the Decode ratio,
+    and a sure long draft pays again. Verifies that keep coming keep their own ratio (a real premium stays)."""
+    from orchestrator.policy.draft_length import DraftEvidence
+
+    ev = DraftEvidence()
+    for _ in range(50):
+        ev.update([2.0**18] * 8, verified=8, accepted=8)
+    cost = TargetCost(llamacpp_curve())
+    for _ in range(10):
+        cost.observe_step(2.0 + 20.0, server_ms=20.0)
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True)
+    d = GoodputDraftLength(63, cost, evidence=ev)
+    d.use_free_drafter(True)
+    assert d.verify_len([2.0**18] * 8, limit=63) >= 4
+    cost.observe(9, server_ms=4 * cost.forward(9))  # the spike
+    assert cost.load.value == pytest.approx(4.0)
+    assert d.verify_len([2.0**18] * 8, limit=63) == 0  # priced out
+    for _ in range(TargetCost.STALE_AFTER):
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True)
+    assert cost.load.value == pytest.approx(4.0)  # not stale yet
+    for _ in range(30):
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True)
+    assert cost.load.value == pytest.approx(cost.decode_load.value, rel=0.01)
+    assert d.verify_len([2.0**18] * 8, limit=63) >= 4  # tried again
+
+    premium = TargetCost(llamacpp_curve())
+    for _ in range(40):  # a Verify every few Decode observations: its own 2x ratio stands
+        premium.observe(5, server_ms=2 * premium.forward(5))
+        for _ in range(TargetCost.STALE_AFTER):
+            premium.observe(1, server_ms=4 * premium.forward(1), calls=4, decode=True)
+    assert premium.load.value == pytest.approx(2.0, rel=0.01)

@@ -114,9 +114,16 @@ class TargetCost:
     blocks shrinks. Decode steps measure it per context bucket (powers of two from 256 tokens): attention_ms(c), a
     token's cost at context c beyond its cost in the shortest bucket measured, is added per token to every forward
     at that context (and taken out of what the observed / profiled ratios learn; a Verify at a bucket not measured
-    yet teaches no ratio)."""
+    yet teaches no ratio).
+
+    Only a Verify teaches the Verify ratio, so one Verify slowed by a passing spell of load could price every later
+    block out and, no Verify running, nothing would correct it. Once STALE_AFTER Decode observations have come with
+    no Verify, each further one moves the Verify ratio toward the Decode ratio (what the target costs now), so a
+    block that pays is tried again; a real Verify premium comes back with the next Verify."""
 
     SHORT_CONTEXT = 256  # contexts below this share the first bucket (the profile's own)
+    STALE_AFTER = 8  # Decode observations with no Verify before the Verify ratio is taken as stale
+    STALE_RELAX = 0.8  # a stale Verify ratio's distance to the Decode ratio kept per further Decode observation
 
     def __init__(self, forward_ms: list[float], max_batch: int = 1, sessions=lambda: 1):
         self.forward_ms = [float(x) for x in forward_ms]
@@ -129,6 +136,7 @@ class TargetCost:
         self.block = Ema()  # tokens per session in the target's calls
         self.switch_wait_ms = Ema()  # a Verify that closed the session's decode stream: its wait for the stream
         self.token_ms_at: dict[int, Ema] = {}  # context bucket -> ms per target-only token measured there
+        self.decodes_since_verify = 0
 
     def rows(self) -> int:
         return max(1, min(self.max_batch, int(self.sessions())))
@@ -175,6 +183,10 @@ class TargetCost:
             own = max(0.1 * per_call, per_call - tokens * self.attention_ms(context))
             ratio = own / self.batched_forward(tokens, self.rows())
             (self.decode_load if decode else self.load).observe(ratio)
+            self.decodes_since_verify = self.decodes_since_verify + 1 if decode else 0
+            if decode and self.decodes_since_verify > self.STALE_AFTER and self.load.value is not None:
+                now = self.decode_load.value
+                self.load.value = now + (self.load.value - now) * self.STALE_RELAX
 
     def observe_switch(self, tokens: int, server_ms: float, context: int = 0) -> None:
         """A Verify over `tokens` tokens sent right after closing the session's decode stream, taking server_ms: the
