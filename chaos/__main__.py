@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=TINY_DRAFT)
     p.add_argument("--draft-replicas", type=int, default=2)
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--speculation-max-sessions", type=int, default=None,
+                   help="as the orchestrator's flag (default: the stack's; a llama.cpp target speculates for one "
+                        "session generating at a time, so its chaos runs set 0 to keep the drafts under load)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engine", choices=["auto", "llamacpp", "torch"], default="torch",
                    help="the target's engine (llamacpp: a GGUF target, e.g. --target-model smollm2)")
@@ -70,7 +73,7 @@ def options(args: argparse.Namespace) -> ChaosOptions:
     fixed = dict(seed=args.seed, target_model=args.target_model, draft_strategy=args.draft_strategy,
                  draft_model=args.draft_model, draft_replicas=args.draft_replicas, draft_len=args.draft_len,
                  engine=args.engine, threads=args.threads, device=args.device, dtype=args.dtype, log_dir=args.log_dir,
-                 fresh_stack=args.fresh_stack)
+                 fresh_stack=args.fresh_stack, speculation_max_sessions=args.speculation_max_sessions)
     if args.quick:
         return ChaosOptions.quick_preset(**overrides, **fixed)
     return ChaosOptions(**{k: v for k, v in overrides.items() if v is not None}, **fixed)

@@ -64,6 +64,7 @@ class ChaosOptions:
     target_grace_s: float = 30.0
     store_grace_s: float = 10.0
     fallback_chunk: int = 4
+    speculation_max_sessions: int | None = None  # None: the stack's default (launcher/stack.py)
     slow_latency_ms: float = 300.0     # slow_draft: per-Propose latency, well above the draft deadline
     slow_target_ms: float = 300.0      # slow_target: per-Verify/Decode latency, armed by the target's flag
     stall_steps: float = 0.0           # M in the stall bound; 0: fallback_chunk + 2
@@ -136,6 +137,8 @@ class ChaosHarness:
                 "--draft-timeout-factor", str(o.draft_timeout_factor), "--breaker-open-s", str(o.breaker_open_s),
                 "--target-grace-s", str(o.target_grace_s), "--store-grace-s", str(o.store_grace_s),
                 "--fallback-chunk", str(o.fallback_chunk)]
+        if o.speculation_max_sessions is not None:  # later on the orchestrator's command line than the stack's
+            orch += ["--speculation-max-sessions", str(o.speculation_max_sessions)]
         cfg = StackConfig(target_model=o.target_model, draft_strategy=o.draft_strategy, draft_model=o.draft_model,
                           draft_replicas=o.draft_replicas, target_replicas=o.target_replicas,
                           draft_len=o.draft_len, adaptive_draft_len=False,

@@ -21,6 +21,7 @@ RUN_TIMEOUT_S = 240
 def test_kill_all_drafts_on_the_llamacpp_engine(tmp_path):
     cmd = [sys.executable, "-m", "chaos", "--scenario", "kill_all_drafts", "--quick", "--json", "--seed", "0",
            "--target-model", "smollm2", "--engine", "llamacpp", "--draft-strategy", "ngram",
+           "--speculation-max-sessions", "0",  # the stack's llama.cpp default drafts for one session at a time
            "--log-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
