@@ -704,3 +704,25 @@ def test_a_block_in_a_shared_step_is_priced_by_the_delay_its_rows_give_every_ses
     assert flat.best() >= 1
     sessions[0] = 1
     assert policy(30.0, 10.0).best() >= 1  # alone, its block delays nobody else
+
+
+def test_the_delay_to_sessions_that_speculate_costs_all_the_tokens_they_commit_per_step():
+    """Where the other sessions verify blocks too, each ms a block adds delays several tokens of each of them: on
+    a linear curve (what a loaded start-up profile falls back to), the others verifying blocks of 5, the draft
+    length goodput picks is the one that commits the most tokens per ms for the whole batch (charged as one token
+    per other session, it drafted 13 where 2 is best at acceptance ~0.97, 7 where 1 is at ~0.92)."""
+    linear = [9.5] + [9.5 + 6.6 * n for n in range(1, 64)]
+    for failures in (1.0, 2.5, 5.0, 10.0):
+        cost = TargetCost(linear, max_batch=16, sessions=lambda: 8)
+        for _ in range(30):
+            cost.observe(5, server_ms=cost.forward(40))  # the others' Verify blocks: 5 tokens each
+        d = GoodputDraftLength(16, cost)
+        d.own.successes, d.own.failures = 30.0, failures
+        d.prior.successes, d.prior.failures = 30.0, failures
+        others = expected_accepted_length(d.prior.alpha, 4)  # tokens each other session commits per step
+
+        def batch_tokens_per_ms(k: int) -> float:
+            return (7 * others + expected_accepted_length(d.alpha, k)) / cost.forward(1 + 7 * 5 + k)
+
+        best_for_batch = max(range(17), key=batch_tokens_per_ms)
+        assert abs(d.best() - best_for_batch) <= 1, (failures, d.best(), best_for_batch)

@@ -432,9 +432,12 @@ class GoodputDraftLength:
 
     def verify_ms(self, tokens: int, rows: int = 1) -> float:
         """A Verify of `tokens` priced for the batch: its call, plus the delay its extra rows give every other session
-        of the step (TargetCost.shared_delay_ms), so a block pays only where it beats the batch's own rate."""
+        of the step (TargetCost.shared_delay_ms) times the tokens each of them commits per step (1 - a^b) / (1 - a),
+        b their usual block, a the orchestrator-wide acceptance: a block pays only where its extra tokens per ms
+        beat the batch's own rate, however many tokens the others' blocks bring."""
+        b, a = self.cost.block.get(tokens), min(self.prior.alpha, 0.999)
         return (self.cost.step_ms(tokens, rows, context=self.context)
-                + self.cost.shared_delay_ms(tokens, rows, self.context))
+                + self.cost.shared_delay_ms(tokens, rows, self.context) * (1 - a ** b) / (1 - a))
 
     def tokens_per_ms(self, k: int, rows: int = 1, alpha: float | None = None) -> float:
         if k == 0:
