@@ -613,21 +613,28 @@ def test_an_untested_match_starts_from_the_tested_weaker_ones_and_is_explored_on
     assert d.verify_len([2.0**18] * 16, limit=63) >= 8  # priced from bucket 3's record: a long block pays
 
 
-def test_a_verify_at_a_context_whose_token_cost_is_unmeasured_does_not_teach_load():
-    """At a long context the Decode steps have not reached yet, a token's attention over it is unknown (rag's first
-    step after a 1.4k-token prompt): a Verify there is not learned as load, which would price every later Verify
-    by it (here 4x) while no Verify runs to correct it."""
+def _free_drafter_sure_of(block: int, decode_calls: int, context: int = 0):
+    """(TargetCost, goodput policy) of a free drafter whose top-score blocks of `block` tokens were all accepted,
+    after `decode_calls` 4-token Decode calls of 10 ms a token on the llama.cpp curve with 2 ms of step overhead."""
     from orchestrator.policy.draft_length import DraftEvidence
 
     ev = DraftEvidence()
     for _ in range(50):
-        ev.update([2.0**18] * 32, verified=32, accepted=32)
+        ev.update([2.0**18] * block, verified=block, accepted=block)
     cost = TargetCost(llamacpp_curve())
-    for _ in range(40):
+    for _ in range(decode_calls):
         cost.observe_step(2.0 + 20.0, server_ms=20.0)
-        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True, context=100)
+        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True, context=context)
     d = GoodputDraftLength(63, cost, evidence=ev)
     d.use_free_drafter(True)
+    return cost, d
+
+
+def test_a_verify_at_a_context_whose_token_cost_is_unmeasured_does_not_teach_load():
+    """At a long context the Decode steps have not reached yet, a token's attention over it is unknown (rag's first
+    step after a 1.4k-token prompt): a Verify there is not learned as load, which would price every later Verify
+    by it (here 4x) while no Verify runs to correct it."""
+    cost, d = _free_drafter_sure_of(32, decode_calls=40, context=100)
     assert d.verify_len([2.0**18] * 32, limit=63) >= 8  # a sure quotation after a short prompt
     cost.observe(9, server_ms=9 * 40.0, context=1500)  # a Verify at an unmeasured context: mostly attention
     assert cost.load.value is None
@@ -641,17 +648,7 @@ def test_a_stale_verify_ratio_relaxes_toward_what_decode_steps_measure():
     """One Verify slowed by a passing spell of load (4x its profile) must not price every later block out for good:
     after TargetCost.STALE_AFTER Decode observations with no Verify, the Verify ratio moves toward the Decode ratio,
     and a sure long draft pays again. Verifies that keep coming keep their own ratio (a real premium stays)."""
-    from orchestrator.policy.draft_length import DraftEvidence
-
-    ev = DraftEvidence()
-    for _ in range(50):
-        ev.update([2.0**18] * 8, verified=8, accepted=8)
-    cost = TargetCost(llamacpp_curve())
-    for _ in range(10):
-        cost.observe_step(2.0 + 20.0, server_ms=20.0)
-        cost.observe(1, server_ms=4 * 10.0, calls=4, decode=True)
-    d = GoodputDraftLength(63, cost, evidence=ev)
-    d.use_free_drafter(True)
+    cost, d = _free_drafter_sure_of(8, decode_calls=10)
     assert d.verify_len([2.0**18] * 8, limit=63) >= 4
     cost.observe(9, server_ms=4 * cost.forward(9))  # the spike
     assert cost.load.value == pytest.approx(4.0)
