@@ -505,8 +505,8 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(stack, monkeypa
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         assert sessions.first_admitted.wait(10), "the request was never admitted"
-    sid, = sessions.admitted
-    wait_recorded(stack, sid)  # admitted before its record is written
+        sid, = sessions.admitted
+        wait_recorded(stack, sid)  # hang up once the session is stored (admitted first, stored just after)
     info = wait_finished(stack, sid)
     assert info.status == "cancelled" and len(info.generated_token_ids) < 500
 
