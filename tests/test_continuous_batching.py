@@ -43,7 +43,8 @@ def alone(engine, sid: str, ids: list[int], n: int) -> list[int]:
 
 
 class StepRecorder:
-    """Records each engine step's rows per session (seq id -> rows) by wrapping the engine's _decode."""
+    """Records each engine step's rows per session (seq id -> rows, in the batch's order) by wrapping the engine's
+    _decode."""
 
     def __init__(self, engine):
         self.engine, self.steps = engine, []
@@ -107,6 +108,8 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
     assert got_leaver == refs[3][: len(got_leaver)]
     shared = [s for s in rec.steps if len(s) >= 3]
     assert shared, "no step held three sessions' rows: the streams did not share llama_decode calls"
+    # in increasing sequence id order, which llama.cpp needs to put the sessions' rows in one ubatch
+    assert all(list(s) == sorted(s) for s in rec.steps)
     leaver_seq = None
     with engine._lock:
         assert not engine._busy  # every work retired, the cancelled one too
@@ -114,6 +117,19 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
     assert all(leaver_seq not in s for s in rec.steps[-3:])  # the cancelled stream left the batch
     for sid in ("a", "j1", "j2", "leaver"):
         engine.release(sid)
+
+
+def test_sessions_hold_the_lowest_free_sequence_ids(engine):
+    """Dense ids keep a step's sessions consecutive (llama.cpp's split into ubatches, see _by_sequence)."""
+    with engine._lock:
+        held = {seq.seq_id for seq in engine._sequences.values()}
+        lowest = [i for i in range(engine.max_sessions + 1) if i not in held][:3]
+        ids = [engine._sequence(f"dense{i}").seq_id for i in range(3)]
+        assert ids == lowest
+        engine._drop("dense1")
+        assert engine._sequence("dense3").seq_id == lowest[1]  # the freed hole first, not a higher id
+        for sid in ("dense0", "dense2", "dense3"):
+            engine._drop(sid)
 
 
 def test_a_prompt_joins_in_pieces_without_stalling_running_streams(engine):

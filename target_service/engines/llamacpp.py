@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import heapq
 import logging
 import pathlib
 import threading
@@ -38,7 +39,7 @@ from target_service.engines.llama_prompt import PROMPT_KV_BYTES_PER_VALUE, Promp
 from specdec.core.grpc_util import call_deadline
 from target_service.engines.jobs import DecodeTask, VerifyJob, VerifyOutcome, VerifyTask
 from target_service.engines.llama_steps import (SPLIT_SAFE_ROWS, CallWork, DecodeWork, PrefillWork, StepLoop,
-                                                VerifyWork, Work, _chunk_bounds)
+                                                VerifyWork, Work, _by_sequence, _chunk_bounds)
 from target_service.engines.profile import cpu_engine_profile
 from target_service.settings import TargetSettings
 
@@ -149,6 +150,9 @@ class LlamaCppEngine(StepLoop, PromptPath):
         # Sessions whose work is admitted (holding their sequence): never evicted for another session, so a stream
         # or a chunked prefill cannot lose its tokens between its steps.
         self._busy: set[str] = set()
+        # Free sequence ids, a min-heap: sessions hold the lowest ids, so a step's sessions are mostly consecutive
+        # ids, which llama.cpp's split of a batch over per-session streams (split_equal, sequential) needs to put
+        # them in one ubatch (see _by_sequence).
         self._free_ids = list(range(self.max_sessions + 1))
         self.evictions = 0
         self.max_draft_len = settings.max_draft_len or LONG_DRAFT_LEN
@@ -307,7 +311,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
         if len(self._sequences) >= self.max_sessions and not self._evict(keep=keep):
             raise MemoryError(f"all {self.max_sessions} KV streams of the llama.cpp engine are held by sessions with "
                               "work in flight (in this step, a decode stream or a prefill)")
-        seq = _Sequence(session_id, self._free_ids.pop())
+        seq = _Sequence(session_id, heapq.heappop(self._free_ids))
         self._sequences[session_id] = seq
         return seq
 
@@ -326,7 +330,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
         if seq is None:
             return False
         self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
-        self._free_ids.append(seq.seq_id)
+        heapq.heappush(self._free_ids, seq.seq_id)
         return True
 
     def _crop(self, seq: _Sequence, length: int) -> None:
@@ -355,15 +359,17 @@ class LlamaCppEngine(StepLoop, PromptPath):
                 raise ContextTooLong(f"context of {len(seq.tokens) + len(tokens)} tokens exceeds the limit of "
                                      f"{self.loaded.max_context}")
         self._make_room(sum(len(tokens) for _, tokens, _ in rows), keep={seq.session_id for seq, _, _ in rows})
+        order = _by_sequence([seq.seq_id for seq, _, _ in rows])
+        rows = [rows[i] for i in order]
         entries = [((seq.seq_id,), token, len(seq.tokens) + i, i >= len(tokens) - n_logits)
                    for seq, tokens, n_logits in rows for i, token in enumerate(tokens)]
         logits = self._decode(entries, [(seq.seq_id, len(seq.tokens)) for seq, _, _ in rows],
                               [len(tokens) for _, tokens, _ in rows])
         for seq, tokens, _ in rows:
             seq.tokens.extend(tokens)
-        result, at = [], 0
-        for _, _, n_logits in rows:
-            result.append(logits[at:at + n_logits])
+        result, at = [None] * len(rows), 0
+        for i, (_, _, n_logits) in zip(order, rows):
+            result[i] = logits[at:at + n_logits]
             at += n_logits
         return result
 
@@ -555,7 +561,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
     def _profile_forward_ms(self, max_tokens: int, context: int, reps: int) -> list[float]:
         vocab = self._n_vocab
         with self._lock:
-            seq = _Sequence("\x00profile", self._free_ids.pop())  # the spare sequence: no session is evicted
+            seq = _Sequence("\x00profile", heapq.heappop(self._free_ids))  # the spare sequence: no session is evicted
             try:
                 self._forward([(seq, [(7 * i + 1) % vocab for i in range(context)], 1)])
 
@@ -569,7 +575,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
                 return cpu_engine_profile(forward_ms, max_tokens, reps, threads=self.threads)
             finally:
                 self._ll.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
-                self._free_ids.append(seq.seq_id)
+                heapq.heappush(self._free_ids, seq.seq_id)
 
     def cache_bytes(self) -> int:
         with self._lock:
