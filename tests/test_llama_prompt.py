@@ -58,16 +58,19 @@ def test_q8_0_blocks_hold_a_float16_scale_and_32_rounded_values():
     assert np.abs(scale * values - x.reshape(5, 2, 32)).max() <= scale.max() / 2 + 1e-3
 
 
-def synthetic_state(cells: int, n_layer: int, row_values: int, prefix: bool = True) -> bytes:
-    """A one-stream float16 sequence state as llama-cpp-python 0.3.36 writes it."""
+def synthetic_state(cells: int, n_layer: int, row_values: int, prefix: bool = True, held: int = 0,
+                    streams: int = 1) -> bytes:
+    """A float16 sequence state as llama-cpp-python 0.3.36 writes it: `streams` streams, the sequence's cells in
+    stream `held`, the others empty."""
     out = [struct.pack("<II", STATE_MAGIC, 0)] if prefix else []
-    out.append(struct.pack("<II", 1, cells))
+    out.append(struct.pack("<I", streams) + b"\0\0\0\0" * held + struct.pack("<I", cells))
     out += [struct.pack("<iIi", pos, 1, 0) for pos in range(cells)]
     out.append(struct.pack("<II", 0, n_layer))
     rng = np.random.default_rng(2)
     for _ in range(2 * n_layer):
         out.append(struct.pack("<iQ", 1, 2 * row_values))
         out.append(rng.standard_normal((cells, row_values)).astype(np.float16).tobytes())
+    out.append(b"\0\0\0\0" * (streams - 1 - held))
     return b"".join(out)
 
 
@@ -87,3 +90,15 @@ def test_the_prompt_state_becomes_the_main_contexts_layout():
     assert at == len(converted) - 12
     with pytest.raises(ValueError):
         requantized_state(state[:-1], streams=4, n_layer=n_layer)
+
+
+def test_a_kept_prompts_state_from_any_stream_of_the_prompt_context_moves_the_same():
+    """The prompt context keeps prompts in several streams: the sequence's cells sit in its own, the others empty."""
+    cells, n_layer, values = 5, 2, 192
+    one = requantized_state(synthetic_state(cells, n_layer, values), streams=4, n_layer=n_layer)
+    for held in (0, 3, 7):
+        assert requantized_state(synthetic_state(cells, n_layer, values, held=held, streams=8), streams=4,
+                                 n_layer=n_layer) == one
+    two_held = synthetic_state(cells, n_layer, values, held=0, streams=2)[:-4] + struct.pack("<I", cells)
+    with pytest.raises(ValueError):  # cells in a second stream: not a state this code wrote
+        requantized_state(two_held, streams=4, n_layer=n_layer)

@@ -75,7 +75,7 @@ def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, e
     long_prompt = next(p.text for p in EVAL_PROMPTS if p.kind == "summary")  # ~170 tokens: the prompt context's
     try:
         proposed = accepted = 0
-        rows_before = engine.prompt_context_rows
+        rows_before, reused_before = engine.prompt_context_rows, engine.prompt_reused_rows
         for prompt in [*PROMPTS, long_prompt]:
             ref = stack.client.generate(prompt, max_new_tokens=48, chat=True, speculation=False)
             spec = stack.client.generate(prompt, max_new_tokens=48, chat=True, max_draft_len=4)
@@ -86,8 +86,10 @@ def test_speculative_greedy_equals_the_engines_target_only_decoding(redis_url, e
             accepted += spec.stats["draft_tokens_accepted"]
         assert 0 < accepted < proposed  # both the accept and the reject path ran
         assert TargetClient(stack.target_server.address).info().dtype.startswith("llama.cpp")
-        # the orchestrator sent the prompt's length: the long prompt went through the prompt context, twice
-        assert engine.prompt_context_rows - rows_before > 2 * 100
+        # the orchestrator sent the prompt's length: the long prompt went through the prompt context, and the
+        # second time (the same prompt) its rows were the kept ones
+        assert engine.prompt_context_rows - rows_before > 100
+        assert engine.prompt_reused_rows - reused_before > 100
     finally:
         stack.stop()
 

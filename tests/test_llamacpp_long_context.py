@@ -124,11 +124,12 @@ def feed_prompt(engine, sid: str, tokens: list[int], piece: int) -> None:
     def run():
         with engine._lock:
             seq = engine._sequence(sid)
+            engine._prompt_reset()  # the slot computes the whole prompt
             at = 0
             while at < len(tokens):
                 n = prompt_piece(len(tokens) - at, piece, engine.batch_tokens)
                 engine._decode_prompt(tokens[at:at + n], at)
-                engine._prompt_tokens += tokens[at:at + n]
+                engine._prompt_tokens.extend(tokens[at:at + n])
                 at += n
             engine._move_prompt(seq.seq_id)
             seq.tokens.extend(tokens)
@@ -150,6 +151,7 @@ def test_the_prompt_context_gives_the_same_cache_whatever_calls_brought_the_prom
     """The rag prompt through the prompt context in calls of 64, 96 and 512 rows (and the step loop's own), then
     4 greedy steps in the main context: bitwise the same logits each way."""
     prompt, ways = rag_ids[:-1], {}
+    engine.forget_prompts()
     engine.prefill("loop", 0, prompt, prompt_len=len(rag_ids))
     ways["loop"] = greedy_rows(engine, "loop", rag_ids[-1], 4)
     engine.release("loop")
@@ -166,10 +168,12 @@ def test_a_resent_context_is_rebuilt_bit_for_bit_after_the_prompt_context(engine
     """A session decoded 6 tokens after the rag prompt (prompt context, then main steps), then resent whole from 0
     (prompt + generated, as after an eviction): its next steps equal the uninterrupted session's bitwise."""
     n = len(rag_ids)
+    engine.forget_prompts()
     tokens = engine.decode(DecodeTask("first", 0, rag_ids, 6, GREEDY, prompt_len=n))[0]
     context = list(rag_ids) + tokens[:-1]
     onward = greedy_rows(engine, "first", tokens[-1], 3)
     engine.release("first")
+    engine.forget_prompts()
     engine.prefill("again", 0, context, prompt_len=n)
     resent = greedy_rows(engine, "again", tokens[-1], 3)
     engine.release("again")
@@ -194,9 +198,11 @@ def test_a_prompt_fed_beside_a_decoding_stream_gives_the_cache_it_gets_alone(eng
     """The rag prompt through the prompt context alone (512-row calls), and again while another session decodes
     (PREFILL_ROWS_PER_STEP-row calls between the stream's steps): bitwise the same logits in the steps after it."""
     n = len(rag_ids)
+    engine.forget_prompts()
     engine.prefill("solo", 0, rag_ids[:-1], prompt_len=n)
     alone = greedy_rows(engine, "solo", rag_ids[-1], 3)
     engine.release("solo")
+    engine.forget_prompts()  # computed again, beside the stream
     stream = engine.decode_stream(DecodeTask("busy", 0, rag_ids[:40], 300, GREEDY))
     stream.take(1, 600.0)  # decoding before the prompt arrives
     try:
@@ -209,3 +215,37 @@ def test_a_prompt_fed_beside_a_decoding_stream_gives_the_cache_it_gets_alone(eng
         engine.release(sid)
     assert steps_beside > 1, "the stream did not decode beside the prompt"
     assert np.array_equal(alone, beside), f"differ by up to {np.abs(alone - beside).max()}"
+
+
+def test_a_kept_prompt_gives_a_prompt_that_starts_with_it_its_rows_bit_for_bit(engine, rag_ids):
+    """The rag prompt computed whole; then its first 700 tokens as a prompt of their own, kept in the prompt
+    context, and the whole prompt again: it computes only the rows after the kept ones; and once more: all its rows
+    are kept. The greedy steps after it are bitwise those after the whole computation."""
+    n = len(rag_ids)
+    engine.forget_prompts()
+    engine.prefill("whole", 0, rag_ids[:-1], prompt_len=n)
+    whole = greedy_rows(engine, "whole", rag_ids[-1], 4)
+    engine.release("whole")
+    engine.forget_prompts()
+    head = rag_ids[:700]
+    engine.prefill("head", 0, head[:-1], prompt_len=len(head))  # its region: the first 699 rows
+    engine.release("head")
+    for sid, kept in (("grown", 699), ("repeat", n - 1)):
+        computed, reused = engine.prompt_context_rows, engine.prompt_reused_rows
+        engine.prefill(sid, 0, rag_ids[:-1], prompt_len=n)
+        assert (engine.prompt_reused_rows - reused, engine.prompt_context_rows - computed) == (kept, n - 1 - kept)
+        rows = greedy_rows(engine, sid, rag_ids[-1], 4)
+        engine.release(sid)
+        assert np.array_equal(rows, whole), f"{sid}: differs by up to {np.abs(rows - whole).max()}"
+
+
+def test_a_prompt_reuses_a_kept_prefix_only_where_its_rest_stays_tiled():
+    from target_service.engines.llama_prompt import PROMPT_TILE_ROWS, reused_prefix
+
+    region = list(range(300))
+    assert reused_prefix(region, region) == 300  # wholly kept: nothing to compute
+    assert reused_prefix(region + [7, 8], region) == 300
+    assert reused_prefix(region[:200], region) == 200
+    assert reused_prefix(region[:290], region) == 300 - PROMPT_TILE_ROWS  # 10 rows left would not be tiled
+    assert reused_prefix([9] + region[1:], region) == 0
+    assert reused_prefix([], region) == 0

@@ -12,7 +12,11 @@ the values rounded to q8_0 on the way.
 
 What goes which way is a function of the session's tokens and its prompt length only (prompt_region), so a
 session's cache is the same whichever calls brought its tokens, and a context resent after an eviction or a move
-to another target (the orchestrator sends the prompt length with every delta) is rebuilt bit for bit."""
+to another target (the orchestrator sends the prompt length with every delta) is rebuilt bit for bit.
+
+The prompt context keeps the last `--llama-prompt-cache` prompts it computed, a stream each (LRU). A prompt that
+starts with one of them continues from the longest common prefix (reused_prefix) and computes only the rest: each
+row is a function of its own query and keys, so the reused rows are those the prompt would compute itself."""
 
 from __future__ import annotations
 
@@ -57,6 +61,17 @@ def prompt_piece(left: int, limit: int, batch: int) -> int:
     return left - PROMPT_TILE_ROWS
 
 
+def reused_prefix(cached: list[int], region: list[int]) -> int:
+    """Rows of a prompt region (its tokens from position 0) that a kept prompt's `cached` tokens can give: their
+    common prefix, less what leaves fewer than PROMPT_TILE_ROWS rows to compute (those would not take the tiled
+    kernel); all of it when the region is wholly cached."""
+    n = min(len(cached), len(region))
+    common = next((i for i in range(n) if cached[i] != region[i]), n)
+    if common == len(region):
+        return common
+    return max(0, min(common, len(region) - PROMPT_TILE_ROWS))
+
+
 def quantize_q8_0(values: np.ndarray) -> np.ndarray:
     """[rows, n] floats -> [rows, n / 32 * 34] bytes of q8_0 blocks, as ggml's x86 quantize_row_q8_0: a float16
     scale amax / 127 and round-half-even(x * 127 / amax) per block of 32."""
@@ -84,24 +99,29 @@ def hadamard_rotated(values: np.ndarray) -> np.ndarray:
 
 
 def requantized_state(state: bytes, streams: int, n_layer: int) -> tuple[bytes, int]:
-    """A sequence's state from the one-stream prompt context (float16 keys and values) as the main context reads
-    it, and its cells: `streams` streams (the sequence's cells in the first, read into the destination sequence's own), the
-    values as q8_0. Format (llama-kv-cache.cpp state_write): u32 streams; per stream u32 cells, then per cell
-    i32 pos, u32 n_seq_id (1), i32 seq_id; then u32 v_trans, u32 n_layer (and in newer llama.cpp two u32 rotation
-    counts); per layer i32 key type, u64 row bytes, the rows; the same for the values. llama-cpp-python 0.3.36
-    puts a u32 magic and a u32 version before it (STATE_PREFIX), kept as they are."""
+    """A sequence's state from the prompt context (float16 keys and values) as the main context reads it, and its
+    cells: `streams` streams (the sequence's cells in the first, read into the destination sequence's own), the
+    values as q8_0. Format (llama-kv-cache.cpp state_write): u32 streams; per stream u32 cells (0 for the streams
+    that do not hold the sequence), then per cell i32 pos, u32 n_seq_id (1), i32 seq_id; then u32 v_trans, u32
+    n_layer (and in newer llama.cpp two u32 rotation counts); per layer i32 key type, u64 row bytes, the rows; the
+    same for the values. llama-cpp-python 0.3.36 puts a u32 magic and a u32 version before it (STATE_PREFIX), kept
+    as they are."""
     prefix = STATE_PREFIX if struct.unpack_from("<I", state, 0)[0] == STATE_MAGIC else 0
-    n_stream, cells = struct.unpack_from("<II", state, prefix)
-    if n_stream != 1:
-        raise ValueError(f"the prompt context's state has {n_stream} streams, not 1")
-    meta_end = prefix + 8 + 12 * cells
-    rows_end = len(state)
+    (n_stream,), at = struct.unpack_from("<I", state, prefix), prefix + 4
+    held = 0  # the stream holding the sequence's cells
+    while held < n_stream - 1 and struct.unpack_from("<I", state, at)[0] == 0:
+        held, at = held + 1, at + 4
+    (cells,) = struct.unpack_from("<I", state, at)
+    rows_end = len(state) - 4 * (n_stream - 1 - held)  # the empty streams after it
+    if not cells or state[rows_end:] != bytes(len(state) - rows_end):
+        raise ValueError(f"the prompt context's state does not hold one stream's cells ({n_stream} streams)")
+    meta_end = at + 4 + 12 * cells
     row = _row_bytes(state, rows_end, meta_end, cells, n_layer)
     header_end = rows_end - 2 * n_layer * (12 + cells * row)
     v_trans, layers = struct.unpack_from("<II", state, meta_end)
     if v_trans or layers != n_layer:
         raise ValueError(f"unexpected prompt state: v_trans {v_trans}, {layers} layers (expected {n_layer})")
-    out = [state[:prefix], struct.pack("<II", streams, cells), state[prefix + 8:header_end]]
+    out = [state[:prefix], struct.pack("<II", streams, cells), state[at + 4:header_end]]
     at = header_end
     for section in range(2 * n_layer):
         kind, size = struct.unpack_from("<iQ", state, at)
@@ -162,10 +182,10 @@ def sequence_state(ll, ctx, seq_id: int) -> bytes:
     return bytes(buf)
 
 
-def move_sequence(ll, src_ctx, dst_ctx, dst_seq: int, streams: int, n_layer: int) -> int:
-    """Copy sequence 0 of the prompt context into dst_seq of the main context (whose earlier cells it replaces),
+def move_sequence(ll, src_ctx, src_seq: int, dst_ctx, dst_seq: int, streams: int, n_layer: int) -> int:
+    """Copy src_seq of the prompt context into dst_seq of the main context (whose earlier cells it replaces),
     values rounded to q8_0; returns the cells moved. The prompt context's sequence is left as it was."""
-    state, cells = requantized_state(sequence_state(ll, src_ctx, 0), streams, n_layer)
+    state, cells = requantized_state(sequence_state(ll, src_ctx, src_seq), streams, n_layer)
     src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
     if ll.llama_state_seq_set_data(dst_ctx, src, len(state), dst_seq) != len(state):
         raise RuntimeError(f"llama.cpp could not take the prompt's {cells} cells into sequence {dst_seq}")
@@ -174,13 +194,17 @@ def move_sequence(ll, src_ctx, dst_ctx, dst_seq: int, streams: int, n_layer: int
 
 class PromptPath:
     """The prompt context's part of target_service.engines.llamacpp.LlamaCppEngine (which provides the contexts, the
-    batch, _decode, _crop and the cache plan). Call with the engine's lock held, on its compute thread."""
+    batch, _decode, _crop and the cache plan). Call with the engine's lock held, on its compute thread.
 
-    def _new_prompt_context(self, threads: int, session_context: int):
-        """The prompt context (llama_prompt.py): one sequence of a session's context, float16 keys and values."""
+    `_prompt_slots[i]`: the tokens sequence i of the prompt context holds (a kept prompt, or the one being fed);
+    `_prompt_slot`: the owner's; `_prompt_tokens`: that slot's list."""
+
+    def _new_prompt_context(self, threads: int, session_context: int, slots: int):
+        """The prompt context (llama_prompt.py): `slots` sequences of a session's context each, float16 keys and
+        values."""
         cparams = self._ll.llama_context_default_params()
-        cparams.n_seq_max = 1
-        cparams.n_ctx = session_context
+        cparams.n_seq_max = slots
+        cparams.n_ctx = session_context * slots
         cparams.n_batch = cparams.n_ubatch = self.batch_tokens
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False
@@ -189,8 +213,15 @@ class PromptPath:
         cparams.no_perf = True
         ctx = self._ll.llama_init_from_model(self._model, cparams)
         if not ctx:
-            raise MemoryError(f"llama.cpp could not create the prompt context of {session_context} tokens")
+            raise MemoryError(f"llama.cpp could not create the prompt context of {slots} x {session_context} tokens")
+        self._prompt_slots: list[list[int]] = [[] for _ in range(slots)]
+        self._prompt_slot_used = [0] * slots  # LRU stamps
+        self._prompt_slot = 0
         return ctx
+
+    @property
+    def _prompt_tokens(self) -> list[int]:
+        return self._prompt_slots[self._prompt_slot]
 
     def _prompt_rows(self, seq, new: list[int], prompt_len: int, wants_logits: bool):
         """(the rows to feed, how many of the first go through the prompt context). A cache holding part of the
@@ -209,41 +240,83 @@ class PromptPath:
             self._crop(seq, 0)
         return new, end
 
+    def _prompt_claim(self, work) -> None:
+        """Give the prompt context to `work` (whose first prompt_rows rows are its prompt region, from position 0):
+        the kept prompt sharing the longest usable prefix with it, cropped to that prefix, whose rows then count as
+        fed; the least recently used slot, emptied, when none shares one."""
+        region = work.rows[:work.prompt_rows]
+        reuse = [reused_prefix(tokens, region) for tokens in self._prompt_slots]
+        slot = max(range(len(reuse)), key=lambda i: (reuse[i], -self._prompt_slot_used[i]))
+        if not reuse[slot]:
+            slot = min(range(len(reuse)), key=lambda i: (bool(self._prompt_slots[i]), self._prompt_slot_used[i]))
+        self._prompt_slot, self._prompt_owner = slot, work
+        self.prompt_claims += 1
+        self._prompt_slot_used[slot] = self.prompt_claims
+        self._prompt_crop(reuse[slot])
+        work.fed(reuse[slot])
+        work.prompt_rows -= reuse[slot]
+        self.prompt_reused_rows += reuse[slot]
+
+    def _prompt_crop(self, length: int) -> None:
+        """The owner's slot cut back to its first `length` tokens."""
+        if length < len(self._prompt_tokens):
+            mem = self._ll.llama_get_memory(self._prompt_ctx)
+            if not self._ll.llama_memory_seq_rm(mem, self._prompt_slot, length, -1):
+                raise RuntimeError(f"llama.cpp could not crop prompt slot {self._prompt_slot} to {length} tokens")
+            del self._prompt_tokens[length:]
+
     def _decode_prompt(self, tokens: list[int], start: int) -> None:
-        """llama_decode `tokens` at positions start.. of the prompt context's sequence, no logits."""
+        """llama_decode `tokens` at positions start.. of the owner's slot, no logits."""
         batch = self._batch
         for j, token in enumerate(tokens):
             batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, False
-            batch.seq_id[j][0] = 0
+            batch.seq_id[j][0] = self._prompt_slot
         batch.n_tokens = len(tokens)
         rc = self._ll.llama_decode(self._prompt_ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode of a prompt piece failed (code {rc})")
 
     def _move_prompt(self, seq_id: int) -> None:
-        """The prompt context's sequence into the main context's seq_id (its values rotated and rounded to q8_0)."""
-        moved = move_sequence(self._ll, self._prompt_ctx, self._ctx, seq_id,
+        """The owner's slot into the main context's seq_id (its values rotated and rounded to q8_0)."""
+        moved = move_sequence(self._ll, self._prompt_ctx, self._prompt_slot, self._ctx, seq_id,
                               self.cache_plan.sessions + self._reserved, self._n_layer)
         if moved != len(self._prompt_tokens):
             raise RuntimeError(f"moved {moved} prompt cells, expected {len(self._prompt_tokens)}")
 
-    def _prompt_reset(self) -> None:
-        """Empty the prompt context; no work holds it."""
-        if self._prompt_ctx and (self._prompt_tokens or self._prompt_owner is not None):
-            self._prompt_reset_memory()
-        self._prompt_owner, self._prompt_tokens = None, []
+    def forget_prompts(self) -> int:
+        """Empty every kept prompt no work is feeding (later prompts compute all their rows); returns how many."""
+        def run() -> int:
+            with self._lock:
+                forgotten = 0
+                for slot, tokens in enumerate(self._prompt_slots):
+                    if tokens and not (self._prompt_owner is not None and slot == self._prompt_slot):
+                        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), slot, -1, -1)
+                        tokens.clear()
+                        forgotten += 1
+                return forgotten
 
-    def _prompt_reset_memory(self) -> None:
-        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), 0, -1, -1)
+        return self._on_compute(run) if self._prompt_ctx else 0
+
+    def _prompt_release(self) -> None:
+        """No work holds the prompt context; what its slot holds stays for later prompts."""
+        self._prompt_owner = None
+
+    def _prompt_reset(self) -> None:
+        """Empty the owner's slot (a failed call may have left it in any state) and release it."""
+        if self._prompt_ctx:
+            self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), self._prompt_slot, -1, -1)
+            self._prompt_tokens.clear()
+        self._prompt_owner = None
 
     def _check_prompt_context(self) -> None:
         """A token's first-layer values (a function of its embedding alone) moved from the prompt context against
         the main context's own: a llama.cpp whose state layout or value rotation is not the one llama_prompt.py
         writes fails this, and prompts then take the main context, with a warning. Runs before any session."""
         token, values = 1, self.prompt_kv_bytes_per_token // PROMPT_KV_BYTES_PER_VALUE // self._n_layer
+        self._prompt_slot = 0
         try:
             self._decode_prompt([token], 0)
-            self._prompt_tokens = [token]
+            self._prompt_tokens.append(token)
             self._move_prompt(0)
             self._decode([((1,), token, 0, False)], [(1, 0)])
             moved, own = (first_layer_values(sequence_state(self._ll, self._ctx, s), self._n_layer, values)
@@ -259,6 +332,4 @@ class PromptPath:
         finally:
             for seq_id in (0, 1):
                 self._ll.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-            self._prompt_owner, self._prompt_tokens = None, []
-            if self._prompt_ctx:
-                self._prompt_reset_memory()
+            self._prompt_reset()

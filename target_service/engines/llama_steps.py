@@ -345,7 +345,7 @@ class StepLoop:
                         self._busy.discard(work.session_id)
                         work.seq = None
                 if self._prompt_owner is not None and self._prompt_owner.done:
-                    self._prompt_reset()
+                    self._prompt_release()  # a cancelled prompt's rows fed so far stay valid
         except BaseException as e:  # noqa: BLE001 - a bug here must fail the works, not the loop
             log.exception("llama.cpp engine step failed")
             self._prompt_reset()
@@ -398,8 +398,11 @@ class StepLoop:
         prompt = None
         if prompting:
             owner = next((w for w in prompting if w is self._prompt_owner), prompting[0])
+            if owner is not self._prompt_owner:
+                self._prompt_claim(owner)  # may find some or all of its rows in a kept prompt
             limit = self.batch_tokens if not ready and len(prompting) == 1 else self.PREFILL_ROWS_PER_STEP
-            prompt = (owner, prompt_piece(owner.prompt_rows, limit, self.batch_tokens))
+            rows = prompt_piece(owner.prompt_rows, limit, self.batch_tokens) if owner.prompt_rows else 0
+            prompt = (owner, rows)
         return self._compose_main(ready), prompt
 
     def _compose_main(self, ready: list[Work]) -> list[tuple[Work, list[int], int]]:
@@ -435,28 +438,27 @@ class StepLoop:
         return chosen
 
     def _run_prompt_piece(self, work: Work, n: int) -> None:
-        """Feed the work's next n prompt rows to the prompt context; after its last, move them to the session's
-        sequence (a Prefill with nothing after the prompt then ends)."""
-        if self._prompt_owner is not work:
-            self._prompt_reset()
-            self._prompt_owner = work
+        """Feed the work's next n prompt rows to the prompt context (the work holds it: _compose claimed it); after
+        its last, move them to the session's sequence (a Prefill with nothing after the prompt then ends)."""
         piece = work.rows[:n]
         try:
-            self._decode_prompt(piece, len(self._prompt_tokens))
-            self._prompt_tokens += piece
-            self.prompt_context_rows += n
-            work.fed(n)
-            work.prompt_rows -= n
+            if piece:
+                self._decode_prompt(piece, len(self._prompt_tokens))
+                self._prompt_tokens.extend(piece)
+                self.prompt_context_rows += n
+                work.fed(n)
+                work.prompt_rows -= n
             if work.prompt_rows:
                 return
             self._move_prompt(work.seq.seq_id)
             work.seq.tokens.extend(self._prompt_tokens)
-        except Exception as e:  # noqa: BLE001 - the forward failed: this work fails
+        except Exception as e:  # noqa: BLE001 - the forward failed: this work fails, its slot is emptied
+            self._prompt_reset()
             work.fail(e)
             return
         finally:
             if not work.prompt_rows or work.done:
-                self._prompt_reset()
+                self._prompt_release()
         if not work.rows:
             try:
                 work.finish_piece(self, None)

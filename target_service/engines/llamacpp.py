@@ -117,11 +117,12 @@ class LlamaCppEngine(StepLoop, PromptPath):
         path = pathlib.Path(model_path)
         self._model = self._load_model(path)
         self._ctx = self._prompt_ctx = None
+        self._prompt_slots, self._prompt_slot_used, self._prompt_slot = [[]], [0], 0  # llama_prompt.py
         try:
             session_context = self._plan_cache(settings)
             self._ctx = self._new_context(settings.threads)
             if not self.kv_unified:  # the unified pool is not batch-invariant anyway: its prompts take the main path
-                self._prompt_ctx = self._new_prompt_context(settings.threads, session_context)
+                self._prompt_ctx = self._new_prompt_context(settings.threads, session_context, self.prompt_slots)
         except BaseException:
             for ctx in (self._ctx, self._prompt_ctx):
                 if ctx:
@@ -129,8 +130,9 @@ class LlamaCppEngine(StepLoop, PromptPath):
             llama_cpp.llama_model_free(self._model)
             raise
         self._prompt_owner = None  # the work whose prompt the prompt context holds (llama_prompt.py)
-        self._prompt_tokens: list[int] = []
         self.prompt_context_rows = 0  # prompt rows computed in the prompt context so far
+        self.prompt_reused_rows = 0  # prompt rows a kept prompt gave instead
+        self.prompt_claims = 0
         self.threads = settings.threads  # llama.cpp's threads: all busy during a forward (the profile's guard)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1 + MAX_TREE_LEAVES)  # a token's sequences
@@ -201,8 +203,11 @@ class LlamaCppEngine(StepLoop, PromptPath):
         # a tree's scratch ones.
         self._reserved = 1 + (MAX_TREE_LEAVES if kv_unified else 0)
         asked_context = min(self._n_ctx_train, settings.llama_session_context)
-        # the prompt context's one stream of a session's context (float16 keys and values) comes out of the budget
-        prompt_mib = 0 if kv_unified else -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
+        # the prompt context's streams of a session's context (float16 keys and values) come out of the budget:
+        # one, and the kept prompts' within a quarter of it (sessions' streams come first)
+        slot_mib = -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
+        self.prompt_slots = max(1, min(settings.llama_prompt_cache, settings.max_cache_mb // 4 // slot_mib))
+        prompt_mib = 0 if kv_unified else slot_mib * self.prompt_slots
         plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,
                           budget_mib=max(1, settings.max_cache_mb - prompt_mib), context_cells=settings.llama_context,
                           reserved_sequences=self._reserved,
