@@ -145,8 +145,10 @@ class BenchServices:
 
     def target_args(self, extra: list[str] = ()) -> list[str]:
         """`specdec serve` arguments of a target: its engine, and the threads `specdec run` would give it."""
+        # --llama-prompt-cache 0: every configuration computes each prompt, as the plain llama.cpp rows do (a prompt
+        # kept from the configuration before would give the next one a head start on the same prompt)
         return ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", "--engine", self.engine,
-                *self._common(self.target_threads), *self.target_cache_args, *extra]
+                *self._common(self.target_threads), *self.target_cache_args, "--llama-prompt-cache", "0", *extra]
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         p = ServiceProcess(name, args, self.dir).start()

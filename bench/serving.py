@@ -143,6 +143,47 @@ def scrape_kv(url: str) -> tuple[float, float] | None:
     return total["specdec_kv_cache_size_bytes"], total["specdec_kv_cache_sessions"]
 
 
+def scrape_prompt_rows(url: str) -> tuple[float, float] | None:
+    """(prompt rows a kept prompt gave, prompt rows computed) since start, from the target's Prometheus endpoint
+    (the llama.cpp engine's prompt cache gauges); None where it has none."""
+    from specdec.ops.stats_cli import scrape
+
+    try:
+        text = scrape(url, timeout=2.0)
+    except OSError:
+        return None
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        for key in ("reused", "computed"):
+            if line.startswith(f"specdec_prompt_cache_{key}_rows"):
+                try:
+                    got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+    return (got["reused"], got["computed"]) if len(got) == 2 else None
+
+
+def fresh_prompt_cache(sr: "ServingRun") -> tuple[float, float] | None:
+    """Empty every target's kept prompts (ResetPromptCache), so each pass starts from the same cache; returns the
+    prompt rows counted so far (scrape_prompt_rows) to take the pass's own from."""
+    from orchestrator.replicas.clients import TargetClient
+
+    for target in sr.stack.targets:
+        client = TargetClient(target.address)
+        try:
+            client.reset_prompt_cache()
+        finally:
+            client.close()
+    return scrape_prompt_rows(sr.kv_urls["target"]) if "target" in sr.kv_urls else None
+
+
+def prompt_rows_since(sr: "ServingRun", before: tuple[float, float] | None) -> dict:
+    after = scrape_prompt_rows(sr.kv_urls["target"]) if before is not None else None
+    if after is None:
+        return {}
+    return {"prompt_rows_reused": int(after[0] - before[0]), "prompt_rows_computed": int(after[1] - before[1])}
+
+
 class Sampler:
     """Polls, while a level runs, every service process's RSS and (with `kv_urls`) each model service's KV cache."""
 
@@ -289,7 +330,9 @@ def _level_line(label: str, row: dict) -> str:
     f = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     return (f"{label}: {f(row['spec_tokens_per_s'])} vs {f(row['target_only_tokens_per_s'])} tokens/s = "
             f"{f(row['ratio'])}x; p99 TPOT {f(row['tpot_p99_ms'])} vs {f(row['target_only_tpot_p99_ms'])} ms; "
-            f"acceptance {f(row['acceptance_rate'])}, speculated {f(row['speculated_step_share'])}")
+            f"acceptance {f(row['acceptance_rate'])}, speculated {f(row['speculated_step_share'])}"
+            + "".join(f"; {mode} prompt rows reused/computed {row[mode]['prompt_rows_reused']}/"
+                      f"{row[mode]['prompt_rows_computed']}" for mode in MODES if "prompt_rows_reused" in row[mode]))
 
 
 def _progress(args, total: int):
@@ -384,11 +427,13 @@ def _concurrency_level(sr: ServingRun, li: int, n: int) -> dict:
     got = {}
     for mode in (MODES if li % 2 == 0 else MODES[::-1]):
         progress.set_postfix_str(f"{n} streams {mode}")
+        rows_before = fresh_prompt_cache(sr)
         with Sampler(sr.pids, sr.kv_urls if n == n_max else None, interval_s=0.25) as s:
             wall, recs = closed_loop(n, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
                                      args.request_timeout_s)
         got[mode] = (summarise_level(recs, wall), recs, s)
         got[mode][0]["rss_mib_peak"] = dict(s.rss)
+        got[mode][0].update(prompt_rows_since(sr, rows_before))
         if n == n_max:
             sr.memory[mode] = {"rss_mib_peak": dict(s.rss), "kv_cache": dict(s.kv)}
         progress.update(1)
@@ -420,11 +465,13 @@ def _poisson_level(sr: ServingRun, ri: int, rate: float) -> dict:
     got = {}
     for mode in (MODES if ri % 2 == 0 else MODES[::-1]):
         sr.progress.set_postfix_str(f"poisson {rate}/s {mode}")
+        rows_before = fresh_prompt_cache(sr)
         with Sampler(sr.pids) as s:
             wall, recs = open_loop(arrivals, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
                                    args.request_timeout_s)
         got[mode] = (summarise_level(recs, wall), recs)
         got[mode][0]["rss_mib_peak"] = dict(s.rss)
+        got[mode][0].update(prompt_rows_since(sr, rows_before))
         sr.progress.update(1)
     row = level_row("request_rate", rate, got["speculative"][0], got["target_only"][0],
                     same_outputs(got["speculative"][1], got["target_only"][1]))

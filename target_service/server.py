@@ -56,6 +56,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         telemetry.register_gauge("specdec.kv_cache.size", engine.cache_bytes, "By", "KV cache bytes held", component)
         telemetry.register_gauge("specdec.kv_cache.sessions", engine.cached_sessions, "{session}",
                                  "sessions holding a KV cache", component)
+        if hasattr(engine, "prompt_rows_reused"):  # the llama.cpp engine's prompt cache (llama_prompt.py)
+            telemetry.register_gauge("specdec.prompt_cache.reused_rows", engine.prompt_rows_reused, "{token}",
+                                     "prompt rows a kept prompt gave, since start", component)
+            telemetry.register_gauge("specdec.prompt_cache.computed_rows", engine.prompt_rows_computed, "{token}",
+                                     "prompt rows the prompt context computed, since start", component)
 
     def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
         return delta.prefix_len, wire.check_token_ids(delta.tokens, self.engine.vocab_size, "delta")
@@ -213,6 +218,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @handle_errors
     def GetInfo(self, request, context):
         return self.info
+
+    @handle_errors
+    def ResetPromptCache(self, request, context):
+        return target_pb2.ResetPromptCacheResponse(dropped=self.engine.forget_prompts())
 
 
 def build_server(engine: TargetBackend, address: str, max_workers: int = 8,

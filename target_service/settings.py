@@ -34,11 +34,11 @@ class TargetSettings:
         "output independent of the other sessions); rounded up to llama.cpp's 256 cells; when --max-cache-mb cannot "
         "hold --max-sessions streams it shrinks (to 1024 at least) before fewer sessions are kept, with a warning")
     llama_prompt_cache: int = setting(
-        8, "llama.cpp engine: prompts kept in the prompt context's float16 cache after they are computed (LRU); a new "
-        "prompt that starts with one of them (a shared system prompt, a conversation's earlier turns, a repeated "
-        "request) computes only the rest, bit for bit what it would get from scratch; each takes a stream of "
+        16, "llama.cpp engine: prompts kept in the prompt context's float16 cache after they are computed (LRU); a new "
+        "prompt that starts with one of them (a repeated request, a conversation's earlier turns, a long shared "
+        "lead-in) computes only the rest, bit for bit what it would get from scratch; each takes a stream of "
         "--llama-session-context cells (45 MiB for SmolLM2's 2048) out of --max-cache-mb, those past the first within "
-        "a quarter of it")
+        "a quarter of it; 0 = keep none")
     llama_kv_unified: bool = setting(
         False, "llama.cpp engine: one KV pool shared by all sessions instead of a stream each; needed for tree "
         "speculation (`specdec run/up --tree-budget N` turn it on), but a session's greedy tokens then depend on the "

@@ -373,3 +373,20 @@ def test_concurrent_unary_calls_still_share_steps():
         assert e.step_works - works_before > e.steps - steps_before  # some step held several sessions
     finally:
         e.close()
+
+
+def test_reset_prompt_cache_drops_the_kept_prompts_over_grpc(served):
+    """ResetPromptCache (what the serving benchmark calls before each pass) empties the prompt cache: the same
+    prompt is then computed again, not reused."""
+    from specdec.eval_prompts import PROMPTS as EVAL_PROMPTS, encode
+
+    engine, client = served
+    ids = encode(next(p for p in EVAL_PROMPTS if p.kind == "summary"), engine.loaded.tokenizer)
+    engine.prefill("kept", 0, ids[:-1], prompt_len=len(ids))
+    engine.release("kept")
+    assert client.reset_prompt_cache() >= 1
+    assert client.reset_prompt_cache() == 0
+    computed, reused = engine.prompt_rows_computed(), engine.prompt_rows_reused()
+    engine.prefill("again", 0, ids[:-1], prompt_len=len(ids))
+    engine.release("again")
+    assert (engine.prompt_rows_computed() - computed, engine.prompt_rows_reused() - reused) == (len(ids) - 1, 0)

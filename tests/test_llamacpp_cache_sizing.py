@@ -50,6 +50,7 @@ def test_the_default_cache_keeps_every_session_asked_for(caplog):
     engine = target_engine("--max-sessions", "12")
     try:
         assert engine.kv_bytes_per_token == ENGINE_CELL
+        assert (engine.prompt_slots, engine.keep_prompts) == (16, True)
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (12, 2048, 13 * 2048)
         assert warnings_of(caplog) == []
         for i in range(12):
@@ -81,6 +82,28 @@ def test_a_tight_budget_shortens_contexts_before_it_drops_sessions_and_warns(cap
         assert (engine.max_sessions, engine.loaded.max_context, engine.context_tokens) == (7, 1024, 8 * 1024)
         [warning] = warnings_of(caplog)
         assert "hold 7 sessions of 1024 tokens" in warning and "--max-cache-mb 151 holds" in warning
+    finally:
+        engine.close()
+
+
+def test_the_prompt_cache_keeps_prompts_within_a_quarter_of_the_budget_or_none():
+    """16 kept prompts by default (45 MiB streams within 1024 of the 4096 MiB); a tight budget keeps one stream, the
+    prompt being computed; --llama-prompt-cache 0 keeps it only while the prompt is computed."""
+    from specdec.eval_prompts import PROMPTS, encode
+
+    engine = target_engine("--max-sessions", "2", "--llama-prompt-cache", "0")
+    try:
+        assert (engine.prompt_slots, engine.keep_prompts) == (1, False)
+        ids = encode(next(p for p in PROMPTS if p.kind == "summary"), engine.loaded.tokenizer)  # > 64 tokens
+        for sid in ("a", "b"):
+            engine.prefill(sid, 0, ids[:-1], prompt_len=len(ids))
+            assert not any(engine._prompt_slots)  # nothing kept
+        assert engine.prompt_rows_computed() == 2 * (len(ids) - 1) and engine.prompt_rows_reused() == 0
+    finally:
+        engine.close()
+    engine = target_engine("--max-sessions", "2", "--max-cache-mb", "352")
+    try:
+        assert engine.prompt_slots == 1  # 88 MiB: a quarter holds one stream
     finally:
         engine.close()
 

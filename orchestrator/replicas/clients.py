@@ -296,6 +296,10 @@ class TargetClient:
     def release_async(self, session_id: str, timeout: float = 1.0):
         return _release_async(self.stub, self.address, session_id, timeout)
 
+    def reset_prompt_cache(self, timeout: float = 10.0) -> int:
+        """Drop the prompts the target keeps for later sessions; returns how many it dropped."""
+        return self.stub.ResetPromptCache(target_pb2.ResetPromptCacheRequest(), timeout=timeout).dropped
+
     def close(self) -> None:
         self.channel.close()
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"^\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x11\n\texport_kv\x18\x03 \x01(\x08\"F\n\x0fPrefillResponse\x12\x12\n\ncached_len\x18\x01 \x01(\r\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.specdec.v1.KvBlock\"\xf4\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x18\n\x0c\x64raft_tokens\x18\x03 \x03(\rB\x02\x10\x01\x12-\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12#\n\x04tree\x18\x07 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"}\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tverify_ms\x18\x04 \x01(\x02\x12\x1a\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\rB\x02\x10\x01\"\x82\x02\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x1a\n\x0estop_token_ids\x18\x06 \x03(\rB\x02\x10\x01\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x66irst_block_tokens\x18\x08 \x01(\r\x12\x18\n\x10max_block_tokens\x18\t \x01(\r\"K\n\x0e\x44\x65\x63odeResponse\x12\x12\n\x06tokens\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\ncached_len\x18\x02 \x01(\r\x12\x11\n\tdecode_ms\x18\x03 \x01(\x02\x32\xa0\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12G\n\x0c\x44\x65\x63odeStream\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse0\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12<\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x19\n\x17ResetPromptCacheRequest\"+\n\x18ResetPromptCacheResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\"^\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x11\n\texport_kv\x18\x03 \x01(\x08\"F\n\x0fPrefillResponse\x12\x12\n\ncached_len\x18\x01 \x01(\r\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.specdec.v1.KvBlock\"\xf4\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x18\n\x0c\x64raft_tokens\x18\x03 \x03(\rB\x02\x10\x01\x12-\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.Distribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12#\n\x04tree\x18\x07 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"}\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tverify_ms\x18\x04 \x01(\x02\x12\x1a\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\rB\x02\x10\x01\"\x82\x02\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.specdec.v1.TokenDelta\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x1a\n\x0estop_token_ids\x18\x06 \x03(\rB\x02\x10\x01\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x66irst_block_tokens\x18\x08 \x01(\r\x12\x18\n\x10max_block_tokens\x18\t \x01(\r\"K\n\x0e\x44\x65\x63odeResponse\x12\x12\n\x06tokens\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\ncached_len\x18\x02 \x01(\r\x12\x11\n\tdecode_ms\x18\x03 \x01(\x02\x32\xff\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12G\n\x0c\x44\x65\x63odeStream\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse0\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12<\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12]\n\x10ResetPromptCache\x12#.specdec.v1.ResetPromptCacheRequest\x1a$.specdec.v1.ResetPromptCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,18 +40,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST'].fields_by_name['stop_token_ids']._serialized_options = b'\020\001'
   _globals['_DECODERESPONSE'].fields_by_name['tokens']._loaded_options = None
   _globals['_DECODERESPONSE'].fields_by_name['tokens']._serialized_options = b'\020\001'
-  _globals['_PREFILLREQUEST']._serialized_start=64
-  _globals['_PREFILLREQUEST']._serialized_end=158
-  _globals['_PREFILLRESPONSE']._serialized_start=160
-  _globals['_PREFILLRESPONSE']._serialized_end=230
-  _globals['_VERIFYREQUEST']._serialized_start=233
-  _globals['_VERIFYREQUEST']._serialized_end=477
-  _globals['_VERIFYRESPONSE']._serialized_start=479
-  _globals['_VERIFYRESPONSE']._serialized_end=604
-  _globals['_DECODEREQUEST']._serialized_start=607
-  _globals['_DECODEREQUEST']._serialized_end=865
-  _globals['_DECODERESPONSE']._serialized_start=867
-  _globals['_DECODERESPONSE']._serialized_end=942
-  _globals['_TARGETSERVICE']._serialized_start=945
-  _globals['_TARGETSERVICE']._serialized_end=1361
+  _globals['_RESETPROMPTCACHEREQUEST']._serialized_start=64
+  _globals['_RESETPROMPTCACHEREQUEST']._serialized_end=89
+  _globals['_RESETPROMPTCACHERESPONSE']._serialized_start=91
+  _globals['_RESETPROMPTCACHERESPONSE']._serialized_end=134
+  _globals['_PREFILLREQUEST']._serialized_start=136
+  _globals['_PREFILLREQUEST']._serialized_end=230
+  _globals['_PREFILLRESPONSE']._serialized_start=232
+  _globals['_PREFILLRESPONSE']._serialized_end=302
+  _globals['_VERIFYREQUEST']._serialized_start=305
+  _globals['_VERIFYREQUEST']._serialized_end=549
+  _globals['_VERIFYRESPONSE']._serialized_start=551
+  _globals['_VERIFYRESPONSE']._serialized_end=676
+  _globals['_DECODEREQUEST']._serialized_start=679
+  _globals['_DECODEREQUEST']._serialized_end=937
+  _globals['_DECODERESPONSE']._serialized_start=939
+  _globals['_DECODERESPONSE']._serialized_end=1014
+  _globals['_TARGETSERVICE']._serialized_start=1017
+  _globals['_TARGETSERVICE']._serialized_end=1528
 # @@protoc_insertion_point(module_scope)

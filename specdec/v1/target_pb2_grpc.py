@@ -66,6 +66,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ResetPromptCache = channel.unary_unary(
+                '/specdec.v1.TargetService/ResetPromptCache',
+                request_serializer=specdec_dot_v1_dot_target__pb2.ResetPromptCacheRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.ResetPromptCacheResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -114,6 +119,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPromptCache(self, request, context):
+        """Drop the prompts the target keeps for reuse by later sessions (the llama.cpp engine's prompt cache; the
+        sessions' own caches stay), as vLLM's reset_prefix_cache: a benchmark starts each pass from the same state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'ResetPromptCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPromptCache,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.ResetPromptCacheRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.ResetPromptCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class TargetService:
             '/specdec.v1.TargetService/GetInfo',
             specdec_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPromptCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/ResetPromptCache',
+            specdec_dot_v1_dot_target__pb2.ResetPromptCacheRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.ResetPromptCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

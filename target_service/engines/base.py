@@ -68,3 +68,6 @@ class TargetBackend(Protocol):
 
     def cached_sessions(self) -> int:
         """Sessions holding a KV cache (a gauge)."""
+
+    def forget_prompts(self) -> int:
+        """Drop the prompts kept for reuse by later sessions (not the sessions' caches); returns how many."""

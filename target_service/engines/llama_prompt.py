@@ -245,8 +245,12 @@ class PromptPath:
         the kept prompt sharing the longest usable prefix with it, cropped to that prefix, whose rows then count as
         fed; the least recently used slot, emptied, when none shares one."""
         region = work.rows[:work.prompt_rows]
-        reuse = [reused_prefix(tokens, region) for tokens in self._prompt_slots]
-        slot = max(range(len(reuse)), key=lambda i: (reuse[i], -self._prompt_slot_used[i]))
+        # A kept prompt is cut back to what it shares with the new one only where that is at least half of it (a
+        # repeat, an earlier turn, a long common lead-in): a short shared lead-in (a chat template's system prompt)
+        # would otherwise cut every kept prompt down to it.
+        reuse = [r if 2 * r >= len(tokens) else 0
+                 for r, tokens in ((reused_prefix(tokens, region), tokens) for tokens in self._prompt_slots)]
+        slot = max(range(len(reuse)), key=lambda i: (reuse[i], self._prompt_slot_used[i]))
         if not reuse[slot]:
             slot = min(range(len(reuse)), key=lambda i: (bool(self._prompt_slots[i]), self._prompt_slot_used[i]))
         self._prompt_slot, self._prompt_owner = slot, work
@@ -283,6 +287,14 @@ class PromptPath:
         if moved != len(self._prompt_tokens):
             raise RuntimeError(f"moved {moved} prompt cells, expected {len(self._prompt_tokens)}")
 
+    def prompt_rows_reused(self) -> int:
+        """Prompt rows a kept prompt gave since start (a gauge)."""
+        return self.prompt_reused_rows
+
+    def prompt_rows_computed(self) -> int:
+        """Prompt rows the prompt context computed since start (a gauge)."""
+        return self.prompt_context_rows
+
     def forget_prompts(self) -> int:
         """Empty every kept prompt no work is feeding (later prompts compute all their rows); returns how many."""
         def run() -> int:
@@ -298,7 +310,10 @@ class PromptPath:
         return self._on_compute(run) if self._prompt_ctx else 0
 
     def _prompt_release(self) -> None:
-        """No work holds the prompt context; what its slot holds stays for later prompts."""
+        """No work holds the prompt context; what its slot holds stays for later prompts (with
+        --llama-prompt-cache 0 it is emptied)."""
+        if not self.keep_prompts and self._prompt_ctx:
+            self._prompt_reset()
         self._prompt_owner = None
 
     def _prompt_reset(self) -> None:

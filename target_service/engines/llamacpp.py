@@ -206,6 +206,7 @@ class LlamaCppEngine(StepLoop, PromptPath):
         # the prompt context's streams of a session's context (float16 keys and values) come out of the budget:
         # one, and the kept prompts' within a quarter of it (sessions' streams come first)
         slot_mib = -(-asked_context * self.prompt_kv_bytes_per_token // (1 << 20))
+        self.keep_prompts = settings.llama_prompt_cache > 0
         self.prompt_slots = max(1, min(settings.llama_prompt_cache, settings.max_cache_mb // 4 // slot_mib))
         prompt_mib = 0 if kv_unified else slot_mib * self.prompt_slots
         plan = plan_cache(settings.max_sessions, asked_context, cell_bytes=self.kv_bytes_per_token,

@@ -193,6 +193,9 @@ class TargetEngine:
     def cached_sessions(self) -> int:
         return len(self.store)
 
+    def forget_prompts(self) -> int:
+        return 0  # no prompt is kept beyond its session's cache
+
     def release(self, session_id: str) -> bool:
         if self.batcher is not None:
             self.batcher.forget(session_id)
