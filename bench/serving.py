@@ -5,7 +5,10 @@ Starts the stack `specdec up` starts (Redis, target with --batch-window-ms 5, on
 SGLang's bench_serving drive a server: streamed requests from a fixed, varied prompt set (specdec/eval_prompts.py),
 closed-loop at 1, 2, 4, ..., 64 concurrent streams, then open-loop Poisson arrivals at a few request rates. Every
 level runs twice on the same prompts, back to back: speculative (the server's default) and target-only (the same
-requests with speculation off), the order alternating per level. Per level and mode: output tokens/s, requests/s,
+requests with speculation off), the order alternating per level. Each pass starts from an empty prompt cache
+(TargetService.ResetPromptCache) and, in the closed loop, after the level's first two requests untimed, as
+llama-server gets them on its fresh server. Per level and mode: output tokens/s, requests/s, prompt rows the
+target reused and computed,
 TTFT, TPOT and ITL percentiles, acceptance, the share of steps that speculated, each service process's peak RSS;
 at the highest concurrency also the KV cache bytes per session each service holds, against its configured bounds.
 Writes bench/results/serving/latest.{json,md,png} (docs/benchmark.md, "Serving").
@@ -163,6 +166,10 @@ def scrape_prompt_rows(url: str) -> tuple[float, float] | None:
     return (got["reused"], got["computed"]) if len(got) == 2 else None
 
 
+def prompt_rows_now(sr: "ServingRun") -> tuple[float, float] | None:
+    return scrape_prompt_rows(sr.kv_urls["target"]) if "target" in sr.kv_urls else None
+
+
 def fresh_prompt_cache(sr: "ServingRun") -> tuple[float, float] | None:
     """Empty every target's kept prompts (ResetPromptCache), so each pass starts from the same cache; returns the
     prompt rows counted so far (scrape_prompt_rows) to take the pass's own from."""
@@ -174,7 +181,7 @@ def fresh_prompt_cache(sr: "ServingRun") -> tuple[float, float] | None:
             client.reset_prompt_cache()
         finally:
             client.close()
-    return scrape_prompt_rows(sr.kv_urls["target"]) if "target" in sr.kv_urls else None
+    return prompt_rows_now(sr)
 
 
 def prompt_rows_since(sr: "ServingRun", before: tuple[float, float] | None) -> dict:
@@ -427,7 +434,10 @@ def _concurrency_level(sr: ServingRun, li: int, n: int) -> dict:
     got = {}
     for mode in (MODES if li % 2 == 0 else MODES[::-1]):
         progress.set_postfix_str(f"{n} streams {mode}")
-        rows_before = fresh_prompt_cache(sr)
+        fresh_prompt_cache(sr)  # then the untimed warm-up llama-server gets on its fresh server: the same two requests
+        closed_loop(min(2, n), jobs[: min(2, n)], sr.clients, args.warmup_tokens, mode == "speculative",
+                    args.request_timeout_s)
+        rows_before = prompt_rows_now(sr)
         with Sampler(sr.pids, sr.kv_urls if n == n_max else None, interval_s=0.25) as s:
             wall, recs = closed_loop(n, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
                                      args.request_timeout_s)
