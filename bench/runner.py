@@ -118,10 +118,11 @@ def _sessions_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-window-ms", type=float, default=5.0, help="target --batch-window-ms for the sessions sweep")
     p.add_argument("--batch-wait-fraction", type=float, default=0.5,
                    help="target --batch-wait-fraction for the sessions sweep (where the checkout has it)")
-    p.add_argument("--speculation-max-sessions", type=int, default=0,
+    p.add_argument("--speculation-max-sessions", type=int, default=None,
                    help="the batched sessions sweep's orchestrator decodes target-only above this many generating "
-                        "sessions (default 0 = no fixed switch: the goodput draft length costs each block as part "
-                        "of the batch and stops drafting when that does not pay)")
+                        "sessions (default: as `specdec up` runs the engine, 1 on llama.cpp, none on torch; 0 = no "
+                        "fixed switch: the goodput draft length costs each block as part of the batch and stops "
+                        "drafting when that does not pay)")
 
 
 def _machine_flags(p: argparse.ArgumentParser) -> None:
@@ -244,6 +245,10 @@ def _bench_services(args: argparse.Namespace, flags: dict):
                              draft_vocab=args.draft_vocab,
                              pin_cpus=args.pin_cpus == "auto" and flags["target --cpu-affinity"],
                              log_dir=args.log_dir)
+    if args.speculation_max_sessions is None:  # the sessions sweep as `specdec up` serves on this engine
+        from launcher.stack import LLAMACPP_SPECULATION_MAX_SESSIONS
+
+        args.speculation_max_sessions = LLAMACPP_SPECULATION_MAX_SESSIONS if services.engine == "llamacpp" else 0
     services.orchestrators = orchestrator_specs(args, flags, services.strategy, services.engine)
     args.target_threads = services.target_threads
     # llama.cpp: the headline is what `specdec run` runs by default; torch: the fastest pipelined configuration

@@ -143,12 +143,13 @@ class BenchServices:
     def _common(self, threads: int | None = None) -> list[str]:
         return ["--threads", str(threads or self.threads), "--device", self.device, "--dtype", self.dtype]
 
-    def target_args(self, extra: list[str] = ()) -> list[str]:
-        """`specdec serve` arguments of a target: its engine, and the threads `specdec run` would give it."""
-        # --llama-prompt-cache 0: every configuration computes each prompt, as the plain llama.cpp rows do (a prompt
-        # kept from the configuration before would give the next one a head start on the same prompt)
+    def target_args(self, extra: list[str] = (), keep_prompts: bool = False) -> list[str]:
+        """`specdec serve` arguments of a target: its engine, and the threads `specdec run` would give it.
+        Without `keep_prompts`, --llama-prompt-cache 0: every configuration computes each prompt, as the plain
+        llama.cpp rows do (a prompt kept from the configuration before would give the next one a head start)."""
+        keep = [] if keep_prompts else ["--llama-prompt-cache", "0"]
         return ["target", "--model", self.target_model, "--listen", "127.0.0.1:0", "--engine", self.engine,
-                *self._common(self.target_threads), *self.target_cache_args, "--llama-prompt-cache", "0", *extra]
+                *self._common(self.target_threads), *self.target_cache_args, *keep, *extra]
 
     def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
         p = ServiceProcess(name, args, self.dir).start()
@@ -188,10 +189,13 @@ class BenchServices:
             raise
 
     def _spawn_batched_target(self) -> None:
+        """The sessions sweep's target, as served: it keeps prompts (the default prompt cache), so the sweep's
+        sessions, which repeat the prompt set, decode from kept prompts at 1 and at 8 sessions alike and the ratio
+        measures batching, not the prefill every session count does one prompt at a time."""
         self._spawn("target-batched", self.target_args(
             ["--batch-window-ms", str(self.batch_window_ms),
              *(["--batch-wait-fraction", str(self.batch_wait_fraction)]
-               if self.batch_wait_fraction is not None else [])]))
+               if self.batch_wait_fraction is not None else [])], keep_prompts=True))
 
     def wait(self, timeout: float = 600.0) -> "BenchServices":
         """Wait for the model services, then start the orchestrators (they need the services' addresses)."""
