@@ -61,6 +61,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                      "prompt rows a kept prompt gave, since start", component)
             telemetry.register_gauge("specdec.prompt_cache.computed_rows", engine.prompt_rows_computed, "{token}",
                                      "prompt rows the prompt context computed, since start", component)
+            telemetry.register_gauge("specdec.engine.steps", engine.step_counts, "{count}",
+                                     "llama.cpp step loop since start: steps, rows fed, ubatches", component)
 
     def _delta(self, delta: common_pb2.TokenDelta) -> tuple[int, list[int]]:
         return delta.prefix_len, wire.check_token_ids(delta.tokens, self.engine.vocab_size, "delta")

@@ -87,6 +87,7 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
     prompts = [prompt_ids(engine, p) for p in MORE_PROMPTS]
     refs = [alone(engine, f"ref{i}", ids, 24) for i, ids in enumerate(prompts)]
     assert len({tuple(r) for r in refs}) == len(refs)  # distinct: a row mix-up shows
+    counts_before = [value for value, _ in engine.step_counts()]
     with StepRecorder(engine) as rec:
         long_stream = engine.decode_stream(DecodeTask("a", 0, prompts[0], 24, GREEDY, 0, 0))
         got_a = list(long_stream.take(3, 60).tokens)  # "a" is generating when the others join
@@ -110,6 +111,10 @@ def test_sessions_join_and_leave_a_running_batch_with_their_own_tokens(engine):
     assert shared, "no step held three sessions' rows: the streams did not share llama_decode calls"
     # in increasing sequence id order, which llama.cpp needs to put the sessions' rows in one ubatch
     assert all(list(s) == sorted(s) for s in rec.steps)
+    steps, rows, ubatches = (after - before for after, before in
+                             zip([value for value, _ in engine.step_counts()], counts_before))
+    assert steps == len(rec.steps) and rows == sum(sum(s.values()) for s in rec.steps)
+    assert steps <= ubatches < rows  # several sessions' rows shared ubatches
     leaver_seq = None
     with engine._lock:
         assert not engine._busy  # every work retired, the cancelled one too
@@ -390,3 +395,17 @@ def test_reset_prompt_cache_drops_the_kept_prompts_over_grpc(served):
     engine.prefill("again", 0, ids[:-1], prompt_len=len(ids))
     engine.release("again")
     assert (engine.prompt_rows_computed() - computed, engine.prompt_rows_reused() - reused) == (len(ids) - 1, 0)
+
+
+def test_ubatch_count_follows_llama_cpps_split_over_streams():
+    """llama_batch_allocr::split_equal (sequential): a run of consecutive, increasing sequence ids a ubatch, the
+    same rows from each; what the engine counts in step_ubatches."""
+    from target_service.engines.llama_steps import ubatch_count
+
+    assert ubatch_count([]) == 0
+    assert ubatch_count([(0, 1), (1, 1), (2, 1)]) == 1
+    assert ubatch_count([(2, 1), (1, 1), (0, 1)]) == 3  # descending: one each
+    assert ubatch_count([(0, 1), (2, 1), (4, 1)]) == 3  # gaps: one each
+    assert ubatch_count([(0, 1), (1, 1), (3, 1), (4, 1)]) == 2
+    assert ubatch_count([(0, 1), (1, 5), (2, 1)]) == 2  # 3 x 1 row, then the block's other 4
+    assert ubatch_count([(0, 2), (1, 3), (2, 5)]) == 3

@@ -295,6 +295,12 @@ class PromptPath:
         """Prompt rows the prompt context computed since start (a gauge)."""
         return self.prompt_context_rows
 
+    def step_counts(self) -> list[tuple[int, dict]]:
+        """The step loop's llama_decode steps, the rows they fed and the ubatches llama.cpp made of them, since
+        start (a gauge: rows per ubatch is what batching gets)."""
+        return [(self.steps, {"count": "steps"}), (self.step_rows, {"count": "rows"}),
+                (self.step_ubatches, {"count": "ubatches"})]
+
     def forget_prompts(self) -> int:
         """Empty every kept prompt no work is feeding (later prompts compute all their rows); returns how many."""
         def run() -> int:

@@ -37,6 +37,25 @@ def _by_sequence(seq_ids: list[int]) -> list[int]:
     return sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
 
 
+def ubatch_count(groups: list[tuple[int, int]]) -> int:
+    """The ubatches llama.cpp makes of one llama_decode over per-session KV streams, from its (sequence id, rows)
+    groups in batch order (llama_batch_allocr::split_equal, sequential): each takes a run of consecutive,
+    increasing ids that still have rows, the same number of rows from each (the fewest any has left)."""
+    left = [[seq_id, rows] for seq_id, rows in groups if rows > 0]
+    count = 0
+    while left:
+        run = [left[0]]
+        for group in left[1:]:
+            if group[0] == run[-1][0] + 1:
+                run.append(group)
+        take = min(rows for _, rows in run)
+        for group in run:
+            group[1] -= take
+        left = [group for group in left if group[1] > 0]
+        count += 1
+    return count
+
+
 def _chunk_bounds(group_sizes: list[int], cap: int) -> list[tuple[int, int]]:
     """[lo, hi) of each llama_decode call for consecutive groups of rows (a session's rows each). llama.cpp's CPU
     numerics depended with a float16 cache on how a long run of a sequence's tokens is split into ubatches (166 fed
@@ -481,6 +500,9 @@ class StepLoop:
             return
         self.steps += 1
         self.step_works += len(chosen)
+        self.step_rows += len(entries)
+        self.step_ubatches += (1 if self.kv_unified else
+                               ubatch_count([(work.seq.seq_id, len(piece)) for work, piece, _ in chosen]))
         self.last_step_sessions = len(chosen)
         at = 0
         for work, piece, n_logits in chosen:

@@ -167,6 +167,8 @@ class LlamaCppEngine(StepLoop, PromptPath):
         self.step_sessions = max(1, max_batch) if batching else max(16, max_batch)
         self.steps = 0  # llama_decode steps of the loop, and the sessions' works they carried (batching metrics)
         self.step_works = 0
+        self.step_rows = 0  # rows the steps fed, and the ubatches llama.cpp made of them (llama_steps.ubatch_count)
+        self.step_ubatches = 0
         self.last_step_sessions = 0
         self._loop_thread = threading.Thread(target=self._step_loop, name="llama-compute", daemon=True)
         self._loop_thread.start()
