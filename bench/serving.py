@@ -127,52 +127,50 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def scrape_kv(url: str) -> tuple[float, float] | None:
-    """(KV cache bytes, cached sessions) from one service's Prometheus endpoint, summed over its components."""
+def scrape_sums(url: str, names: tuple[str, ...]) -> dict[str, float] | None:
+    """Each of `names` (Prometheus metric names) summed over its series on one service's endpoint: the names it
+    has; None when the endpoint does not answer."""
     from specdec.ops.stats_cli import scrape
 
     try:
         text = scrape(url, timeout=2.0)
     except OSError:
         return None
-    total = {"specdec_kv_cache_size_bytes": 0.0, "specdec_kv_cache_sessions": 0.0}
+    total: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in total:
+        if name in names:
             try:
-                total[name] += float(line.rsplit(" ", 1)[1])
+                total[name] = total.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
             except ValueError:
                 pass
-    return total["specdec_kv_cache_size_bytes"], total["specdec_kv_cache_sessions"]
+    return total
+
+
+def scrape_kv(url: str) -> tuple[float, float] | None:
+    """(KV cache bytes, cached sessions) from one service's Prometheus endpoint, summed over its components."""
+    total = scrape_sums(url, ("specdec_kv_cache_size_bytes", "specdec_kv_cache_sessions"))
+    if total is None:
+        return None
+    return total.get("specdec_kv_cache_size_bytes", 0.0), total.get("specdec_kv_cache_sessions", 0.0)
+
+
+PROMPT_ROWS = ("specdec_prompt_cache_reused_rows", "specdec_prompt_cache_computed_rows")
 
 
 def scrape_prompt_rows(url: str) -> tuple[float, float] | None:
     """(prompt rows a kept prompt gave, prompt rows computed) since start, from the target's Prometheus endpoint
     (the llama.cpp engine's prompt cache gauges); None where it has none."""
-    from specdec.ops.stats_cli import scrape
-
-    try:
-        text = scrape(url, timeout=2.0)
-    except OSError:
-        return None
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        for key in ("reused", "computed"):
-            if line.startswith(f"specdec_prompt_cache_{key}_rows"):
-                try:
-                    got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-                except ValueError:
-                    pass
-    return (got["reused"], got["computed"]) if len(got) == 2 else None
+    total = scrape_sums(url, PROMPT_ROWS)
+    return None if total is None or len(total) < 2 else (total[PROMPT_ROWS[0]], total[PROMPT_ROWS[1]])
 
 
 def prompt_rows_now(sr: "ServingRun") -> tuple[float, float] | None:
     return scrape_prompt_rows(sr.kv_urls["target"]) if "target" in sr.kv_urls else None
 
 
-def fresh_prompt_cache(sr: "ServingRun") -> tuple[float, float] | None:
-    """Empty every target's kept prompts (ResetPromptCache), so each pass starts from the same cache; returns the
-    prompt rows counted so far (scrape_prompt_rows) to take the pass's own from."""
+def fresh_prompt_cache(sr: "ServingRun") -> None:
+    """Empty every target's kept prompts (ResetPromptCache), so each pass starts from the same cache."""
     from orchestrator.replicas.clients import TargetClient
 
     for target in sr.stack.targets:
@@ -181,11 +179,10 @@ def fresh_prompt_cache(sr: "ServingRun") -> tuple[float, float] | None:
             client.reset_prompt_cache()
         finally:
             client.close()
-    return prompt_rows_now(sr)
 
 
 def prompt_rows_since(sr: "ServingRun", before: tuple[float, float] | None) -> dict:
-    after = scrape_prompt_rows(sr.kv_urls["target"]) if before is not None else None
+    after = prompt_rows_now(sr) if before is not None else None
     if after is None:
         return {}
     return {"prompt_rows_reused": int(after[0] - before[0]), "prompt_rows_computed": int(after[1] - before[1])}
@@ -475,7 +472,8 @@ def _poisson_level(sr: ServingRun, ri: int, rate: float) -> dict:
     got = {}
     for mode in (MODES if ri % 2 == 0 else MODES[::-1]):
         sr.progress.set_postfix_str(f"poisson {rate}/s {mode}")
-        rows_before = fresh_prompt_cache(sr)
+        fresh_prompt_cache(sr)
+        rows_before = prompt_rows_now(sr)
         with Sampler(sr.pids) as s:
             wall, recs = open_loop(arrivals, jobs, sr.clients, args.max_new_tokens, mode == "speculative",
                                    args.request_timeout_s)

@@ -295,12 +295,6 @@ class PromptPath:
         """Prompt rows the prompt context computed since start (a gauge)."""
         return self.prompt_context_rows
 
-    def step_counts(self) -> list[tuple[int, dict]]:
-        """The step loop's llama_decode steps, the rows they fed and the ubatches llama.cpp made of them, since
-        start (a gauge: rows per ubatch is what batching gets)."""
-        return [(self.steps, {"count": "steps"}), (self.step_rows, {"count": "rows"}),
-                (self.step_ubatches, {"count": "ubatches"})]
-
     def forget_prompts(self) -> int:
         """Empty every kept prompt no work is feeding (later prompts compute all their rows); returns how many."""
         def run() -> int:
@@ -308,8 +302,7 @@ class PromptPath:
                 forgotten = 0
                 for slot, tokens in enumerate(self._prompt_slots):
                     if tokens and not (self._prompt_owner is not None and slot == self._prompt_slot):
-                        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), slot, -1, -1)
-                        tokens.clear()
+                        self._prompt_empty(slot)
                         forgotten += 1
                 return forgotten
 
@@ -325,16 +318,18 @@ class PromptPath:
     def _prompt_reset(self) -> None:
         """Empty the owner's slot (a failed call may have left it in any state) and release it."""
         if self._prompt_ctx:
-            self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), self._prompt_slot, -1, -1)
-            self._prompt_tokens.clear()
+            self._prompt_empty(self._prompt_slot)
         self._prompt_owner = None
+
+    def _prompt_empty(self, slot: int) -> None:
+        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self._prompt_ctx), slot, -1, -1)
+        self._prompt_slots[slot].clear()
 
     def _check_prompt_context(self) -> None:
         """A token's first-layer values (a function of its embedding alone) moved from the prompt context against
         the main context's own: a llama.cpp whose state layout or value rotation is not the one llama_prompt.py
         writes fails this, and prompts then take the main context, with a warning. Runs before any session."""
         token, values = 1, self.prompt_kv_bytes_per_token // PROMPT_KV_BYTES_PER_VALUE // self._n_layer
-        self._prompt_slot = 0
         try:
             self._decode_prompt([token], 0)
             self._prompt_tokens.append(token)

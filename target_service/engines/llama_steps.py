@@ -348,6 +348,12 @@ class StepLoop:
             if works:
                 self._step(works)
 
+    def step_counts(self) -> list[tuple[int, dict]]:
+        """The step loop's llama_decode steps, the rows they fed and the ubatches llama.cpp made of them, since
+        start (a gauge: rows per ubatch is what batching gets)."""
+        return [(self.steps, {"count": "steps"}), (self.step_rows, {"count": "rows"}),
+                (self.step_ubatches, {"count": "ubatches"})]
+
     def _step(self, works: list[Work]) -> None:
         """One engine step: admit new works, compose the batch, one llama_decode, hand each work its rows."""
         try:
